@@ -1,0 +1,337 @@
+"""Structured configs: the schema of every Hydra config group, and validation.
+
+The dataclasses below are registered in Hydra's ConfigStore and sit first in
+the defaults list of ``conf/train.yaml`` (and of the other primary configs), so
+the YAML files of each group (``conf/model/*.yaml``, ``conf/data/*.yaml``, ...)
+are merged into typed, struct-mode nodes: an unknown key or a value of the wrong
+type is rejected by Hydra before any work starts. :func:`validate` then checks
+the relations between values (SPEC §3, §4) and raises :class:`ConfigError`
+with a one-line message naming the key.
+
+Names follow the Transformer-XL release (``n_layer``, ``d_model``, ``tgt_len``,
+``mem_len``, ``clamp_len``, ``cutoffs``, ``div_val``, ...) and SPEC §1 for the
+cache (``n_slot``, ``top_k``, ``d_key``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from crtn.errors import ConfigError
+
+MODELS = ("vanilla", "txl", "crtn")
+DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
+WINDOW_STRATEGIES = ("fixed_length_1", "fixed_length_2", "last_l", "middle_l", "linear")
+STRATEGIES = WINDOW_STRATEGIES + ("token",)
+SUMMARIES = ("identity", "linear", "last_state", "mean", "max", "token_max")
+# SPEC §3, "Summaries": which summaries each query strategy may be paired with.
+WINDOW_SUMMARIES = ("identity", "linear", "last_state", "mean", "max")
+TOKEN_SUMMARIES = ("last_state", "mean", "max", "token_max")
+SCHEDULERS = ("cosine", "inv_sqrt", "constant")
+
+
+def valid_summaries(strategy: str) -> tuple[str, ...]:
+    """Summaries that may be paired with query ``strategy`` (SPEC §3 table)."""
+    return TOKEN_SUMMARIES if strategy == "token" else WINDOW_SUMMARIES
+
+
+def valid_pairs() -> list[tuple[str, str]]:
+    """Every valid (query strategy, summary) pair of SPEC §3, strategies in SPEC order."""
+    return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
+
+
+@dataclass
+class ModelConfig:
+    """Transformer hyper-parameters shared by ``vanilla``, ``txl`` and ``crtn`` (SPEC §1-2)."""
+
+    name: str = "crtn"  # vanilla | txl | crtn
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    d_head: int = 64
+    d_inner: int = 1024
+    d_embed: int | None = None  # None: d_model
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    tgt_len: int = 64  # L: tokens predicted per step
+    mem_len: int = 64  # m: short-term memory, positions per layer
+    clamp_len: int = -1  # relative distances above this use clamp_len's embedding; -1: none
+    same_length: bool = False
+    pre_lnorm: bool = False
+    untie_r: bool = False  # a pair of biases u, v per layer instead of one shared pair
+    cutoffs: list[int] = field(default_factory=list)  # adaptive input/softmax cluster bounds
+    div_val: int = 1
+    tie_weight: bool = True
+    tie_projs: list[bool] | None = None  # None: [False] + [True] * len(cutoffs)
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    layer_norm_eps: float = 1e-5
+
+
+@dataclass
+class CacheConfig:
+    """The key-value cache of past segments (SPEC §3)."""
+
+    n_slot: int = 16  # N: past segments held per batch row
+    top_k: int = 2  # k: segments retrieved per query token
+    alpha_norm: str = "all"  # all | topk: softmax over all valid slots or over the top-k
+    weighted: bool = True  # values scaled by alpha (keys never are)
+    pos: str = "concat"  # concat | real: relative positions of retrieved segments
+    backend: str = "torch"  # torch | faiss
+    faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
+    hnsw_m: int = 32
+    hnsw_ef_search: int = 128
+    hnsw_ef_construction: int = 64
+    renew: str = "fifo"  # fifo | least_used
+    dtype: str | None = None  # storage of cached values: None (the model's) | float32 | float16 | bfloat16
+
+
+@dataclass
+class QueryConfig:
+    """How each token's query is built (SPEC §3, "Query strategies")."""
+
+    strategy: str = "token"
+    detach: bool = False  # stop gradients from the retrieval weights into the query pass
+
+
+@dataclass
+class SummaryConfig:
+    """Summary of an L x d block into a key or query (SPEC §3, "Summaries")."""
+
+    name: str = "last_state"
+    d_key: int | None = None  # linear only; None: d_model
+    tanh: bool = False  # linear only
+
+
+@dataclass
+class SyntheticConfig:
+    """The passage-recall corpus (SPEC §4)."""
+
+    vocab_size: int = 128
+    branching: int = 16  # successors per symbol in the sparse Markov source
+    concentration: float = 1.0  # Dirichlet concentration of the successor probabilities
+    passage_len: int = 16  # P
+    doc_passages: int = 64  # passages per document
+    p_repeat: float = 0.5  # probability that a passage copies an earlier one
+    min_gap: int = 160  # tokens between the copied passage and its copy, at least
+    max_gap: int = 320  # ... and at most
+    train_tokens: int = 1_000_000
+    valid_tokens: int = 65_536
+    test_tokens: int = 65_536
+    seed: int = 1234
+    repeat_skip: int = 4  # first tokens of each repeat left out of the repeat metrics
+
+
+@dataclass
+class DataConfig:
+    """Which corpus, where it lives, and how it is batched (SPEC §4)."""
+
+    name: str = "synthetic"  # wt2 | wt103 | ptb | enwik8 | text8 | text | synthetic
+    root: str = "data"  # folder holding the corpus folders (see conf/data/*.yaml)
+    dir: str | None = None  # corpus folder under root, e.g. wikitext-2
+    path: str | None = None  # name=text: the UTF-8 file
+    level: str = "word"  # name=text: word | char
+    split: list[float] = field(default_factory=lambda: [0.9, 0.05, 0.05])  # name=text
+    cache_dir: str | None = None  # vocabulary/encoding cache; None: beside the data
+    batch_size: int = 16
+    eval_batch_size: int = 10
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class OptimConfig:
+    """Adam with warm-up and a schedule, gradient clipping (SPEC §5)."""
+
+    name: str = "adam"
+    lr: float = 2.5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    scheduler: str = "cosine"  # cosine | inv_sqrt | constant
+    warmup_step: int = 0
+    eta_min: float = 0.0  # cosine: final learning rate
+    clip: float = 0.25
+
+
+@dataclass
+class TrainConfig:
+    """Length, logging, evaluation and checkpointing of a training run."""
+
+    max_step: int = 1000
+    max_time: float | None = None  # wall-clock seconds of training; stops early
+    batch_chunk: int = 1  # gradient accumulation: the batch is split into this many chunks
+    log_interval: int = 50
+    eval_interval: int = 500
+    eval_max_step: int | None = None  # segments per validation during training; None: all
+    checkpoint_interval: int | None = None  # None: every eval_interval steps
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    amp: bool = False  # bf16 autocast on CUDA
+    progress: bool = True  # tqdm progress bar
+    resume: bool = True  # continue from checkpoints/last.pt of the run directory if present
+    tensorboard: bool = False
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation-time overrides (SPEC §5): a longer memory and a larger cache than in training."""
+
+    tgt_len: int | None = None
+    mem_len: int | None = None
+    clamp_len: int | None = None
+    same_length: bool | None = None
+    n_slot: int | None = None
+    top_k: int | None = None
+    batch_size: int | None = None  # None: data.eval_batch_size
+    max_step: int | None = None  # evaluate only the first max_step segments
+
+
+@dataclass
+class TrainAppConfig:
+    """Root of ``crtn-train``'s config (``conf/train.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    query: QueryConfig = field(default_factory=QueryConfig)
+    summary: SummaryConfig = field(default_factory=SummaryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 1111
+    init_from: str | None = None  # a crtn checkpoint (e.g. from crtn-convert) to start from
+
+
+@dataclass
+class EvalAppConfig:
+    """Root of ``crtn-eval``'s config (``conf/eval.yaml``)."""
+
+    checkpoint: str = MISSING
+    splits: list[str] = field(default_factory=lambda: ["valid", "test"])
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cache: Any | None = None  # overrides of the checkpoint's cache node, e.g. cache.backend=faiss
+    data: Any | None = None  # overrides of the checkpoint's data node, e.g. data.root=...
+    device: str = "cpu"
+    progress: bool = True
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainAppConfig)
+    cs.store(name="eval_schema", node=EvalAppConfig)
+
+
+def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
+
+
+def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:
+    """Check a model's config before any work starts (SPEC §1-3).
+
+    Args:
+        model, cache, query, summary: nodes with the fields of :class:`ModelConfig`,
+            :class:`CacheConfig`, :class:`QueryConfig`, :class:`SummaryConfig`.
+
+    Raises:
+        ConfigError: one line naming the offending key and value.
+    """
+    _choice("model.name", model.name, MODELS)
+    for key in ("n_layer", "n_head", "d_model", "d_head", "d_inner", "tgt_len"):
+        if getattr(model, key) <= 0:
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be > 0")
+    if model.mem_len < 0:
+        raise ConfigError(f"model.mem_len={model.mem_len} must be >= 0")
+    if model.d_embed is not None and model.d_embed <= 0:
+        raise ConfigError(f"model.d_embed={model.d_embed} must be > 0")
+    if not 0.0 <= model.dropout < 1.0 or not 0.0 <= model.dropatt < 1.0:
+        raise ConfigError("model.dropout and model.dropatt must be in [0, 1)")
+    if model.div_val < 1:
+        raise ConfigError(f"model.div_val={model.div_val} must be >= 1")
+    if list(model.cutoffs) != sorted(set(model.cutoffs)) or any(c <= 0 for c in model.cutoffs):
+        raise ConfigError(f"model.cutoffs={list(model.cutoffs)} must be increasing positive integers")
+    if model.tie_projs is not None and len(model.tie_projs) != len(model.cutoffs) + 1:
+        raise ConfigError(
+            f"model.tie_projs has {len(model.tie_projs)} entries; expected len(model.cutoffs)+1 "
+            f"= {len(model.cutoffs) + 1}"
+        )
+    if model.name != "crtn":
+        return
+    if cache is None or query is None or summary is None:
+        raise ConfigError("model.name=crtn needs the cache, query and summary config nodes")
+    if model.mem_len % model.tgt_len != 0:
+        raise ConfigError(
+            f"model.mem_len={model.mem_len} must be a multiple of model.tgt_len={model.tgt_len} "
+            "for model=crtn (SPEC §3, renewal)"
+        )
+    if cache.n_slot < 0 or cache.top_k < 0:
+        raise ConfigError(f"cache.n_slot={cache.n_slot} and cache.top_k={cache.top_k} must be >= 0")
+    _choice("cache.alpha_norm", cache.alpha_norm, ("all", "topk"))
+    _choice("cache.pos", cache.pos, ("concat", "real"))
+    _choice("cache.backend", cache.backend, ("torch", "faiss"))
+    _choice("cache.faiss_index", cache.faiss_index, ("flat", "hnsw"))
+    _choice("cache.renew", cache.renew, ("fifo", "least_used"))
+    if cache.dtype is not None:
+        _choice("cache.dtype", cache.dtype, ("float32", "float16", "bfloat16", "float64"))
+    if cache.backend == "faiss" and cache.renew != "fifo":
+        raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
+    if cache.backend == "faiss" and summary is not None and summary.name == "token_max":
+        raise ConfigError("cache.backend=faiss does not support summary=token_max (one key per slot needed)")
+    _choice("query.strategy", query.strategy, STRATEGIES)
+    _choice("summary.name", summary.name, SUMMARIES)
+    allowed = valid_summaries(query.strategy)
+    if summary.name not in allowed:
+        raise ConfigError(
+            f"query={query.strategy} cannot be paired with summary={summary.name}. Valid pairs: "
+            f"{'|'.join(WINDOW_STRATEGIES)} with {'|'.join(WINDOW_SUMMARIES)}; "
+            f"token with {'|'.join(TOKEN_SUMMARIES)}"
+        )
+    if summary.d_key is not None and summary.d_key <= 0:
+        raise ConfigError(f"summary.d_key={summary.d_key} must be > 0")
+
+
+def validate_train(cfg: Any) -> None:
+    """Check a ``crtn-train`` config (see :func:`validate_model`); raises :class:`ConfigError`."""
+    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+    _choice("data.name", cfg.data.name, DATASETS)
+    _choice("optim.scheduler", cfg.optim.scheduler, SCHEDULERS)
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if cfg.optim.warmup_step < 0:
+        raise ConfigError(f"optim.warmup_step={cfg.optim.warmup_step} must be >= 0")
+    for key in ("max_step", "log_interval", "eval_interval", "batch_chunk"):
+        if getattr(cfg.train, key) <= 0:
+            raise ConfigError(f"train.{key}={getattr(cfg.train, key)} must be > 0")
+    if cfg.train.max_time is not None and cfg.train.max_time <= 0:
+        raise ConfigError(f"train.max_time={cfg.train.max_time} must be > 0 (seconds)")
+    if cfg.data.batch_size <= 0 or cfg.data.eval_batch_size <= 0:
+        raise ConfigError("data.batch_size and data.eval_batch_size must be > 0")
+    if cfg.data.batch_size % cfg.train.batch_chunk != 0:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} must be divisible by "
+            f"train.batch_chunk={cfg.train.batch_chunk}"
+        )
+    validate_eval(cfg.eval, cfg.model)
+
+
+def validate_eval(ev: Any, model: Any) -> None:
+    """Check evaluation-time overrides against the trained model; raises :class:`ConfigError`."""
+    if ev.tgt_len is not None and ev.tgt_len <= 0:
+        raise ConfigError(f"eval.tgt_len={ev.tgt_len} must be > 0")
+    if ev.mem_len is not None and ev.mem_len < 0:
+        raise ConfigError(f"eval.mem_len={ev.mem_len} must be >= 0")
+    for key in ("n_slot", "top_k"):
+        value = getattr(ev, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"eval.{key}={value} must be >= 0")
+    if ev.batch_size is not None and ev.batch_size <= 0:
+        raise ConfigError(f"eval.batch_size={ev.batch_size} must be > 0")
+    if model.name == "crtn":
+        tgt = ev.tgt_len if ev.tgt_len is not None else model.tgt_len
+        mem = ev.mem_len if ev.mem_len is not None else model.mem_len
+        if mem % tgt != 0:
+            raise ConfigError(f"eval.mem_len={mem} must be a multiple of eval.tgt_len={tgt} for model=crtn")
