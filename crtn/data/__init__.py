@@ -1,0 +1,31 @@
+"""Data: corpora, vocabularies, the synthetic passage-recall corpus and the segment iterator (SPEC §4).
+
+Public API::
+
+    from crtn.data import load_corpus, Corpus, Vocab, StreamIterator, Batch
+
+    corpus = load_corpus(cfg.data)
+    it = StreamIterator(corpus.splits["train"], batch_size, tgt_len, drop_last=True)
+    for batch in it.iterate(start=0):
+        batch.input, batch.target  # int64 [B, L'] batch-first
+"""
+
+from crtn.data.corpus import DATASETS, DEFAULT_DIRS, Corpus, cache_dir_for, load_corpus
+from crtn.data.iterator import Batch, StreamIterator
+from crtn.data.synthetic import MarkovSource, make_synthetic
+from crtn.data.vocab import EOS, UNK, Vocab
+
+__all__ = [
+    "DATASETS",
+    "DEFAULT_DIRS",
+    "EOS",
+    "UNK",
+    "Batch",
+    "Corpus",
+    "MarkovSource",
+    "StreamIterator",
+    "Vocab",
+    "cache_dir_for",
+    "load_corpus",
+    "make_synthetic",
+]

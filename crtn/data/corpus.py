@@ -1,0 +1,575 @@
+"""Corpora: reading, encoding and caching the language-modeling data sets (SPEC §4).
+
+:func:`load_corpus` turns a ``data`` config node (the fields of
+:class:`crtn.config.DataConfig`) into a :class:`Corpus`: the vocabulary and the
+train/valid/test splits as 1-D ``int64`` tensors of symbol ids.
+
+Data sets (``data.name``; the corpus folder is ``data.root / data.dir``, ``dir``
+defaulting to the standard folder name in :data:`DEFAULT_DIRS`):
+
+- ``wt2``, ``wt103``: ``wiki.{train,valid,test}.tokens``; ``ptb``:
+  ``{train,valid,test}.txt``. Word level: each line is split on whitespace and
+  ``<eos>`` is appended to every line (an empty line gives one ``<eos>``).
+- ``enwik8`` (raw file ``enwik8``: one symbol per byte) and ``text8`` (raw
+  file ``text8``: one symbol per character): character level, no ``<eos>``;
+  the last 5M symbols are the test split, the 5M before them the valid split,
+  the rest (90M for the public files) the train split. The Transformer-XL
+  release's preprocessed layout (``{train,valid,test}.txt`` of
+  whitespace-separated symbols) is accepted too.
+- ``text``: any UTF-8 file ``data.path``, word level (as above) or character
+  level (every character, newline included, is a symbol), cut into
+  train/valid/test by the fractions ``data.split`` (contiguous, in file order).
+- ``synthetic``: generated, see :mod:`crtn.data.synthetic`.
+
+The vocabulary is built from the training split only (see :mod:`crtn.data.vocab`
+for the order of the ids); symbols of valid/test outside it map to ``<unk>``
+(added as a special symbol only when needed and absent from the training text).
+
+Caching: the vocabulary (JSON) and the encoded splits (``.npy``, int32) are
+written once to ``data.cache_dir``, else to ``.crtn-cache/`` inside the corpus
+folder when that folder is writable, else to
+``${XDG_CACHE_HOME:-~/.cache}/crtn/<hash of the corpus path>/``. File names
+carry a key that changes with the size and mtime of each source file and with
+the options that affect the encoding. Concurrent processes take a
+:class:`filelock.FileLock` so that the cache is built once; every file is
+written to a temporary file in the same folder and moved into place with
+``os.replace``; after an error no partial file remains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from crtn.data.vocab import EOS, UNK, Vocab
+from crtn.errors import ConfigError, DataError
+
+#: Every value of ``data.name``.
+DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
+#: Standard corpus folder of each data set (``data.dir`` when it is None).
+DEFAULT_DIRS = {
+    "wt2": "wikitext-2",
+    "wt103": "wikitext-103",
+    "ptb": "penn",
+    "enwik8": "enwik8",
+    "text8": "text8",
+}
+SPLITS = ("train", "valid", "test")
+#: Symbols held out at the end of a raw character-level corpus for test, and before them for valid.
+CHAR_HELDOUT = 5_000_000
+#: Bump when the cache format or the encoding rules change.
+CACHE_VERSION = 1
+_WORD_FILES = {
+    "wt2": ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"),
+    "wt103": ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"),
+    "ptb": ("train.txt", "valid.txt", "test.txt"),
+}
+_PREPROCESSED_FILES = ("train.txt", "valid.txt", "test.txt")
+_CHUNK_BYTES = 1 << 24
+
+
+@dataclass
+class Corpus:
+    """A tokenised corpus (SPEC §4).
+
+    Attributes:
+        name: ``data.name`` (``"wt2"``, ``"ptb"``, ``"synthetic"``, ...).
+        vocab: the :class:`Vocab` shared by all splits.
+        level: ``"word"`` or ``"char"``.
+        metric: ``"ppl"`` (word level and synthetic) or ``"bpc"`` (character level).
+        splits: ``{"train", "valid", "test"}`` -> 1-D ``torch.int64`` CPU tensor of ids.
+        labels: synthetic only, per split a 1-D ``torch.int16`` tensor aligned with
+            ``splits``: 0 for a fresh token or ``<eos>``, ``i >= 1`` for the i-th
+            token (1-based) of a repeated passage. None for other corpora.
+        source_nll: synthetic only, per split a 1-D ``torch.float32`` tensor: the
+            NLL in nats of each token under the generating Markov source (nan for
+            ``<eos>``, inf where the source gives probability 0, which happens
+            only at the first token of a repeated passage). None otherwise.
+        train_counts: ``torch.int64`` tensor ``[len(vocab)]``: occurrences of each
+            id in the train split (for word-frequency buckets, SPEC §5).
+        info: extra facts (JSON-friendly): token counts, cache use, and for the
+            synthetic corpus the source's entropies and repeat statistics.
+        source: synthetic only, the :class:`crtn.data.synthetic.MarkovSource`.
+    """
+
+    name: str
+    vocab: Vocab
+    level: str
+    metric: str
+    splits: dict[str, torch.Tensor]
+    train_counts: torch.Tensor
+    labels: dict[str, torch.Tensor] | None = None
+    source_nll: dict[str, torch.Tensor] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    source: Any = None
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{s}={len(t):,}" for s, t in self.splits.items())
+        return f"Corpus({self.name!r}, level={self.level}, vocab={len(self.vocab):,}, {sizes})"
+
+    def iterator(self, split: str, batch_size: int, tgt_len: int, **kwargs: Any):
+        """A :class:`crtn.data.StreamIterator` over ``split`` (labels attached when present).
+
+        ``kwargs`` go to :class:`StreamIterator` (``rank``, ``world_size``, ``drop_last``).
+        """
+        from crtn.data.iterator import StreamIterator
+
+        if split not in self.splits:
+            raise ConfigError(f"split {split!r} is not one of: {', '.join(self.splits)}")
+        labels = None if self.labels is None else self.labels[split]
+        return StreamIterator(
+            self.splits[split], batch_size, tgt_len, labels=labels, split=f"{self.name}/{split}", **kwargs
+        )
+
+
+# ====================================================================== entry point
+def load_corpus(cfg: Any) -> Corpus:
+    """Load (or generate) the corpus described by a ``data`` config node (SPEC §4).
+
+    Args:
+        cfg: an object with the fields of :class:`crtn.config.DataConfig`
+            (an OmegaConf node or the dataclass itself).
+
+    Returns:
+        The :class:`Corpus`; encoded splits come from the cache when it is valid.
+
+    Raises:
+        ConfigError: unknown ``data.name``, ``data.name=text`` without
+            ``data.path``, bad ``data.level`` or ``data.split``, bad synthetic settings.
+        DataError: missing corpus folder or split file, empty file, invalid
+            UTF-8 (with the byte offset), a split without tokens, an unusable
+            ``data.cache_dir``.
+    """
+    name = _get(cfg, "name", "synthetic")
+    if name not in DATASETS:
+        raise ConfigError(f"data.name={name!r} is not one of: {', '.join(DATASETS)}")
+    if name == "synthetic":
+        from crtn.data.synthetic import make_synthetic
+
+        return make_synthetic(_get(cfg, "synthetic", None))
+    plan = _plan(name, cfg)
+    return _load_cached(plan, _get(cfg, "cache_dir", None))
+
+
+def _get(cfg: Any, key: str, default: Any) -> Any:
+    value = getattr(cfg, key, default) if not isinstance(cfg, dict) else cfg.get(key, default)
+    return default if value is None and default is not None else value
+
+
+# ====================================================================== plans
+@dataclass
+class _Plan:
+    """What to read and how: everything that determines the encoded corpus."""
+
+    name: str
+    level: str  # word | char
+    reader: str  # words (whitespace tokens) | bytes | chars
+    eos: bool  # append <eos> per line (reader=words)
+    files: list[Path]  # one per split, or a single file cut by `cut`
+    corpus_dir: Path  # where the default cache goes
+    cut: tuple | None = None  # ("fractions", f_train, f_valid, f_test) | ("heldout", n)
+
+    def key_data(self) -> dict:
+        files = []
+        for f in self.files:
+            st = f.stat()
+            files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        return {
+            "version": CACHE_VERSION,
+            "name": self.name,
+            "level": self.level,
+            "reader": self.reader,
+            "eos": self.eos,
+            "cut": list(self.cut) if self.cut else None,
+            "files": files,
+        }
+
+
+def _plan(name: str, cfg: Any) -> _Plan:
+    if name == "text":
+        return _plan_text(cfg)
+    root = Path(_get(cfg, "root", "data"))
+    folder = root / (_get(cfg, "dir", None) or DEFAULT_DIRS[name])
+    if name in _WORD_FILES:
+        files = [folder / f for f in _WORD_FILES[name]]
+        _check_folder(name, folder, files)
+        _check_files(files)
+        return _Plan(name, "word", "words", True, files, folder)
+    # enwik8 / text8: the raw file, or the Transformer-XL release's preprocessed layout
+    raw = folder / name
+    pre = [folder / f for f in _PREPROCESSED_FILES]
+    if raw.is_file():
+        _check_files([raw])
+        reader = "bytes" if name == "enwik8" else "chars"
+        return _Plan(name, "char", reader, False, [raw], folder, ("heldout", CHAR_HELDOUT))
+    if any(f.exists() for f in pre):
+        _check_files(pre)
+        return _Plan(name, "char", "words", False, pre, folder)
+    _check_folder(name, folder, [raw])
+    raise DataError(
+        f"corpus folder {str(folder)!r} has neither the raw file {name!r} nor the preprocessed "
+        f"{', '.join(_PREPROCESSED_FILES)}; run tools/getdata.sh {root} {name}"
+    )
+
+
+def _plan_text(cfg: Any) -> _Plan:
+    path = _get(cfg, "path", None)
+    if not path:
+        raise ConfigError("data.name=text needs data.path=<a UTF-8 text file>")
+    level = _get(cfg, "level", "word")
+    if level not in ("word", "char"):
+        raise ConfigError(f"data.level={level!r} is not one of: word, char")
+    fractions = _get(cfg, "split", [0.9, 0.05, 0.05])
+    try:
+        fractions = [float(x) for x in fractions]
+    except (TypeError, ValueError):
+        raise ConfigError(f"data.split={fractions!r} must be 3 positive numbers summing to 1") from None
+    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1.0) > 1e-6:
+        raise ConfigError(
+            f"data.split={fractions} must be 3 positive numbers (train, valid, test) summing to 1"
+        )
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data.path: text file {str(file)!r} not found")
+    _check_files([file])
+    reader = "words" if level == "word" else "chars"
+    return _Plan("text", level, reader, level == "word", [file], file.parent, ("fractions", *fractions))
+
+
+def _check_folder(name: str, folder: Path, files: list[Path]) -> None:
+    if not folder.is_dir():
+        expected = ", ".join(f.name for f in files)
+        raise DataError(
+            f"corpus folder {str(folder)!r} for data.name={name} not found (expected {expected} in it); "
+            f"run tools/getdata.sh {folder.parent} {DEFAULT_DIRS[name]} to download it (into "
+            f"{folder.parent / DEFAULT_DIRS[name]}), or set data.root/data.dir"
+        )
+
+
+def _check_files(files: list[Path]) -> None:
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"split file {str(f)!r} not found (expected {', '.join(g.name for g in files)})")
+        if f.stat().st_size == 0:
+            raise DataError(f"file {str(f)!r} is empty")
+
+
+# ====================================================================== caching
+def _dir_writable(path: Path) -> bool:
+    """Writable by us *and* by its permission bits (root ignores the bits; we do not)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK) and bool(
+        st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def cache_dir_for(corpus_dir: Path, cache_dir: str | None) -> Path | None:
+    """The cache folder of a corpus (module docstring); None when no folder can be used.
+
+    Raises:
+        DataError: ``data.cache_dir`` is set but cannot be created or written.
+    """
+    if cache_dir:
+        path = Path(cache_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror}") from None
+        if not _dir_writable(path):
+            raise DataError(f"data.cache_dir={cache_dir!r} is not writable")
+        return path
+    local = corpus_dir / ".crtn-cache"
+    if _dir_writable(local) or (not local.exists() and _dir_writable(corpus_dir)):
+        try:
+            local.mkdir(exist_ok=True)
+            return local
+        except OSError:
+            pass
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha256(str(corpus_dir.resolve()).encode()).hexdigest()[:12]
+    path = base / "crtn" / digest
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if _dir_writable(path):
+            return path
+    except OSError:
+        pass
+    warnings.warn(
+        f"no writable cache folder for {str(corpus_dir)!r}; the corpus is encoded without a cache",
+        stacklevel=2,
+    )
+    return None
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` through a temporary file in its folder and ``os.replace``; no leftovers on error."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _CacheFiles:
+    def __init__(self, folder: Path, plan: _Plan):
+        key_data = plan.key_data()
+        key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
+        self.key_data = key_data
+        self.prefix = f"{plan.name}-{key}"
+        self.folder = folder
+        self.vocab = folder / f"{self.prefix}.vocab.json"
+        self.splits = {s: folder / f"{self.prefix}.{s}.npy" for s in SPLITS}
+        self.meta = folder / f"{self.prefix}.meta.json"  # written last: the cache is complete
+        self.lock = folder / f"{self.prefix}.lock"
+
+    def load(self) -> tuple[Vocab, dict[str, np.ndarray], dict] | None:
+        """The cached corpus, or None when it is absent, incomplete or unreadable."""
+        if not self.meta.is_file():
+            return None
+        try:
+            meta = json.loads(self.meta.read_text(encoding="utf-8"))
+            vocab = Vocab.load(self.vocab)
+            arrays = {s: np.load(self.splits[s], allow_pickle=False) for s in SPLITS}
+        except (OSError, ValueError, KeyError):
+            return None
+        for s in SPLITS:
+            a = arrays[s]
+            if a.ndim != 1 or len(a) != meta["tokens"][s] or (len(a) and a.max() >= len(vocab)):
+                return None
+        return vocab, arrays, meta
+
+    def save(self, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Write every file atomically, the meta file last; on error remove what was written."""
+        written: list[Path] = []
+        try:
+            data = json.dumps(vocab.to_json(), ensure_ascii=False).encode("utf-8")
+            _atomic_write(self.vocab, lambda f: f.write(data))
+            written.append(self.vocab)
+            for s in SPLITS:
+                _atomic_write(self.splits[s], lambda f, a=arrays[s]: np.save(f, a, allow_pickle=False))
+                written.append(self.splits[s])
+            meta_bytes = json.dumps({**meta, "key": self.key_data}, indent=1).encode("utf-8")
+            _atomic_write(self.meta, lambda f: f.write(meta_bytes))
+        except BaseException:
+            for p in written:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            raise
+
+
+def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
+    folder = cache_dir_for(plan.corpus_dir, cache_dir)
+    if folder is None:
+        vocab, arrays, meta = _build(plan)
+        return _make_corpus(plan, vocab, arrays, meta, {"cache": "off"})
+    files = _CacheFiles(folder, plan)
+    hit = files.load()  # fast path: a complete cache needs no lock
+    status = "loaded"
+    if hit is None:
+        from filelock import FileLock
+
+        with FileLock(str(files.lock)):
+            hit = files.load()  # another process may have built it while we waited
+            if hit is None:
+                vocab, arrays, meta = _build(plan)
+                files.save(vocab, arrays, meta)
+                hit, status = (vocab, arrays, meta), "built"
+    vocab, arrays, meta = hit
+    return _make_corpus(plan, vocab, arrays, meta, {"cache": status, "cache_dir": str(folder)})
+
+
+def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict, extra: dict) -> Corpus:
+    splits = {s: torch.from_numpy(np.asarray(arrays[s], dtype=np.int64)) for s in SPLITS}
+    counts = torch.bincount(splits["train"], minlength=len(vocab))
+    info = {**{k: v for k, v in meta.items() if k != "key"}, **extra, "files": [str(f) for f in plan.files]}
+    return Corpus(
+        name=plan.name,
+        vocab=vocab,
+        level=plan.level,
+        metric="ppl" if plan.level == "word" else "bpc",
+        splits=splits,
+        train_counts=counts,
+        info=info,
+    )
+
+
+# ====================================================================== building
+class _SymbolTable:
+    """Provisional ids in order of first occurrence (over the files in reading order)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def encode(self, words: list[str]) -> np.ndarray:
+        index = self.index
+        for w in dict.fromkeys(words):
+            if w not in index:
+                index[w] = len(index)
+        return np.fromiter(map(index.__getitem__, words), dtype=np.int32, count=len(words))
+
+    @property
+    def symbols(self) -> list[str]:
+        return list(self.index)
+
+
+def _chunks(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, bytes)`` pieces of a file, each ending at a newline (or at the end)."""
+    with open(path, "rb") as f:
+        offset = 0
+        while True:
+            buf = f.read(_CHUNK_BYTES)
+            if not buf:
+                return
+            if not buf.endswith(b"\n"):
+                buf += f.readline()
+            yield offset, buf
+            offset += len(buf)
+
+
+def _decode(path: Path, buf: bytes, offset: int) -> str:
+    try:
+        return buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"file {str(path)!r} is not valid UTF-8: byte 0x{buf[e.start]:02x} at byte offset "
+            f"{offset + e.start} ({e.reason})"
+        ) from None
+
+
+def _read_words(path: Path, table: _SymbolTable, eos: bool) -> np.ndarray:
+    """Whitespace tokens of a UTF-8 file (universal newlines), ``<eos>`` after each line if ``eos``."""
+    pieces = []
+    last = b""
+    for offset, buf in _chunks(path):
+        text = _decode(path, buf, offset)
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        if eos:
+            text = text.replace("\n", f" {EOS} ")
+        pieces.append(table.encode(text.split()))
+        last = buf
+    if eos and last and not last.endswith((b"\n", b"\r")):
+        pieces.append(table.encode([EOS]))  # the last line has no newline
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+def _read_codes(path: Path, reader: str) -> np.ndarray:
+    """Raw character-level file as integer codes: bytes (``reader=bytes``) or Unicode code points."""
+    raw = np.fromfile(path, dtype=np.uint8)
+    if reader == "bytes" or len(raw) == 0 or raw.max() < 0x80:
+        return raw
+    text = _decode(path, raw.tobytes(), 0)
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def _codes_in_order(codes: np.ndarray, size: int) -> np.ndarray:
+    """Distinct values of ``codes`` in order of first occurrence (chunked, vectorised)."""
+    seen = np.zeros(size, dtype=bool)
+    order: list[int] = []
+    step = 1 << 20
+    for start in range(0, len(codes), step):
+        chunk = codes[start : start + step]
+        new = chunk[~seen[chunk]]
+        if len(new) == 0:
+            continue
+        values, first = np.unique(new, return_index=True)
+        values = values[np.argsort(first, kind="stable")]
+        order.extend(values.tolist())
+        seen[values] = True
+    return np.asarray(order, dtype=np.int64)
+
+
+def _cut(plan: _Plan, ids: np.ndarray) -> dict[str, np.ndarray]:
+    n = len(ids)
+    kind = plan.cut[0]
+    if kind == "heldout":
+        held = plan.cut[1]
+        if n <= 2 * held:
+            raise DataError(
+                f"file {str(plan.files[0])!r} has {n:,} symbols; the standard {plan.name} split holds out "
+                f"the last 2 x {held:,} for valid and test, so more are needed (the public file has 100,000,000)"
+            )
+        bounds = (n - 2 * held, n - held)
+    else:
+        f_train, f_valid, _ = plan.cut[1:]
+        bounds = (round(n * f_train), round(n * (f_train + f_valid)))
+    parts = {"train": ids[: bounds[0]], "valid": ids[bounds[0] : bounds[1]], "test": ids[bounds[1] :]}
+    for s, a in parts.items():
+        if len(a) == 0:
+            raise DataError(
+                f"file {str(plan.files[0])!r}: the {s} split of data.split={list(plan.cut[1:])} has no "
+                f"tokens ({n} tokens in all)"
+            )
+    return parts
+
+
+def _build(plan: _Plan) -> tuple[Vocab, dict[str, np.ndarray], dict]:
+    """Read and encode the corpus: ``(vocab, {split: int32 ids}, meta)``."""
+    # 1. provisional ids, in order of first occurrence (train first)
+    if plan.reader == "words":
+        table = _SymbolTable()
+        pieces = [_read_words(f, table, plan.eos) for f in plan.files]
+        symbols = table.symbols
+    else:
+        codes = _read_codes(plan.files[0], plan.reader)
+        size = int(codes.max()) + 1
+        order = _codes_in_order(codes, size)
+        lut = np.full(size, -1, dtype=np.int32)
+        lut[order] = np.arange(len(order), dtype=np.int32)
+        pieces = [lut[codes]]
+        symbols = [chr(int(c)) for c in order]
+    if plan.cut is None:
+        for f, a in zip(plan.files, pieces):
+            if len(a) == 0:
+                raise DataError(f"file {str(f)!r} has no tokens")
+        prov = dict(zip(SPLITS, pieces))
+    else:
+        prov = _cut(plan, pieces[0])
+
+    # 2. the vocabulary from the training counts
+    counts = np.bincount(prov["train"], minlength=len(symbols))
+    unseen = {s: int(np.count_nonzero(counts[prov[s]] == 0)) for s in ("valid", "test")}
+    in_train = {sym for sym, c in zip(symbols, counts) if c > 0 and sym in (EOS, UNK)}
+    specials = [EOS] if plan.eos else []
+    need_unk = unseen["valid"] + unseen["test"] > 0
+    unk = UNK if need_unk or UNK in in_train else None
+    if need_unk and UNK not in in_train:
+        specials.append(UNK)
+    candidates = symbols + [s for s in specials if s not in symbols]
+    cand_counts = np.concatenate([counts, np.zeros(len(candidates) - len(symbols), np.int64)])
+    vocab, new_id = Vocab.from_counts(
+        candidates, cand_counts, specials, eos=EOS if plan.eos else None, unk=unk
+    )
+
+    # 3. final ids
+    if vocab.unk_idx is not None:
+        new_id = np.where(new_id < 0, vocab.unk_idx, new_id)
+    new_id = new_id.astype(np.int32)
+    arrays = {s: new_id[prov[s]] for s in SPLITS}
+    meta = {
+        "tokens": {s: len(arrays[s]) for s in SPLITS},
+        "vocab_size": len(vocab),
+        "oov_tokens": {"train": 0, **unseen},
+    }
+    return vocab, arrays, meta

@@ -1,0 +1,300 @@
+"""The synthetic passage-recall corpus (SPEC §4), generated from a seed.
+
+Symbols: 0 is ``<eos>``, the document separator appended after each document;
+1..V-1 (``V = vocab_size``) belong to a random sparse first-order Markov source:
+each symbol has ``branching`` distinct successors drawn uniformly from 1..V-1,
+with probabilities drawn from Dirichlet(``concentration``); a document's first
+token is drawn from the uniform start distribution over 1..V-1.
+
+A document is ``doc_passages`` passages of P = ``passage_len`` tokens. Passage
+i (starting at token i*P of its document) is, with probability ``p_repeat`` and
+if some earlier passage j of the document starts between ``min_gap`` and
+``max_gap`` tokens before it (``min_gap <= (i-j)*P <= max_gap``), a verbatim copy
+of one such passage chosen uniformly; otherwise its tokens are drawn from the
+Markov source, continuing from the previous token. Labels: 0 for a fresh token
+or ``<eos>``, k (1-based) for the k-th token of a repeated passage.
+
+Determinism: :class:`numpy.random.SeedSequence` (``seed``) spawns one stream
+for the source and one per split, so valid and test differ from train but share
+its source. Each split has ``*_tokens`` tokens (the last document is truncated).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from crtn.data.corpus import SPLITS, Corpus
+from crtn.data.vocab import EOS, Vocab
+from crtn.errors import ConfigError
+
+EOS_IDX = 0
+
+
+@dataclass
+class MarkovSource:
+    """The generating source over symbols 1..V-1 (row 0, ``<eos>``, is unused).
+
+    Attributes:
+        succ: ``int64 [V, b]``: the successors of each symbol.
+        prob: ``float64 [V, b]``: their probabilities (rows sum to 1; row 0 is 0).
+        start: ``float64 [V]``: distribution of a document's first token (0 at ``<eos>``).
+    """
+
+    succ: np.ndarray
+    prob: np.ndarray
+    start: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.start)
+
+    def entropy(self) -> np.ndarray:
+        """``float64 [V]``: entropy in nats of the next token given each symbol (0 for row 0)."""
+        p = self.prob
+        return -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=1)
+
+    def start_entropy(self) -> float:
+        """Entropy in nats of the first token of a document."""
+        p = self.start[self.start > 0]
+        return float(-(p * np.log(p)).sum())
+
+    def stationary(self, iters: int = 2000, tol: float = 1e-13) -> np.ndarray:
+        """``float64 [V]``: stationary distribution (Cesaro-averaged power iteration from the start distribution)."""
+        V = self.vocab_size
+        pi = self.start.copy()
+        avg = np.zeros(V)
+        flat_succ = self.succ.reshape(-1)
+        for k in range(1, iters + 1):
+            nxt = np.bincount(flat_succ, weights=(pi[:, None] * self.prob).reshape(-1), minlength=V)
+            avg += (nxt - avg) / k
+            if np.abs(nxt - pi).sum() < tol:
+                return nxt
+            pi = nxt
+        return avg
+
+    def entropy_rate(self) -> float:
+        """Entropy rate of the chain in nats per token: sum_s pi(s) H(s)."""
+        return float(self.stationary() @ self.entropy())
+
+    def nll(self, prev: np.ndarray, token: np.ndarray) -> np.ndarray:
+        """``-log P(token | prev)`` (float64, inf where the probability is 0); ``prev`` < 0 means a document start."""
+        prev = np.asarray(prev)
+        token = np.asarray(token)
+        out = np.empty(prev.shape, dtype=np.float64)
+        start = prev < 0
+        with np.errstate(divide="ignore"):
+            out[start] = -np.log(self.start[token[start]])
+            p, t = prev[~start], token[~start]
+            hit = self.succ[p] == t[:, None]
+            out[~start] = -np.log((self.prob[p] * hit).sum(axis=1))
+        return out
+
+
+def _settings(cfg: Any) -> dict[str, Any]:
+    """The fields of :class:`crtn.config.SyntheticConfig` read from ``cfg`` (None or missing: defaults)."""
+    from crtn.config import SyntheticConfig
+
+    out = {}
+    for f in fields(SyntheticConfig):
+        default = getattr(SyntheticConfig(), f.name)
+        if cfg is None:
+            value = default
+        elif isinstance(cfg, dict):
+            value = cfg.get(f.name, default)
+        else:
+            value = getattr(cfg, f.name, default)
+        out[f.name] = default if value is None else value
+    return out
+
+
+def _validate(c: dict) -> None:
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"data.synthetic.{key}={c[key]} {why}")
+
+    if c["vocab_size"] < 3:
+        raise bad("vocab_size", "must be >= 3 (<eos> and at least 2 source symbols)")
+    if not 1 <= c["branching"] <= c["vocab_size"] - 1:
+        raise bad("branching", f"must be in [1, vocab_size-1={c['vocab_size'] - 1}]")
+    if not c["concentration"] > 0:
+        raise bad("concentration", "must be > 0")
+    for key in ("passage_len", "doc_passages", "train_tokens", "valid_tokens", "test_tokens"):
+        if c[key] <= 0:
+            raise bad(key, "must be > 0")
+    if not 0.0 <= c["p_repeat"] <= 1.0:
+        raise bad("p_repeat", "must be in [0, 1]")
+    if c["min_gap"] < 1 or c["max_gap"] < c["min_gap"]:
+        raise ConfigError(
+            f"data.synthetic.min_gap={c['min_gap']} and max_gap={c['max_gap']}: need 1 <= min_gap <= max_gap"
+        )
+    if c["repeat_skip"] < 0:
+        raise bad("repeat_skip", "must be >= 0")
+    lo, hi = math.ceil(c["min_gap"] / c["passage_len"]), c["max_gap"] // c["passage_len"]
+    if c["p_repeat"] > 0 and lo > hi:
+        raise ConfigError(
+            f"data.synthetic: no multiple of passage_len={c['passage_len']} lies in [min_gap, max_gap] = "
+            f"[{c['min_gap']}, {c['max_gap']}], so no passage can be repeated"
+        )
+    if c["p_repeat"] > 0 and lo > c["doc_passages"] - 1:
+        raise ConfigError(
+            f"data.synthetic.doc_passages={c['doc_passages']} x passage_len={c['passage_len']}: documents are too "
+            f"short for a repeat from min_gap={c['min_gap']} tokens back"
+        )
+
+
+def make_source(
+    vocab_size: int, branching: int, concentration: float, rng: np.random.Generator
+) -> MarkovSource:
+    """Draw the sparse Markov source (module docstring) from ``rng``."""
+    n = vocab_size - 1
+    succ = np.zeros((vocab_size, branching), dtype=np.int64)
+    prob = np.zeros((vocab_size, branching), dtype=np.float64)
+    # b distinct successors per symbol, drawn uniformly without replacement
+    for s in range(1, vocab_size):
+        succ[s] = 1 + rng.choice(n, size=branching, replace=False)
+    prob[1:] = rng.dirichlet(np.full(branching, float(concentration)), size=n)
+    start = np.full(vocab_size, 1.0 / n)
+    start[EOS_IDX] = 0.0
+    return MarkovSource(succ, prob, start)
+
+
+def generate_split(
+    c: dict, source: MarkovSource, n_tokens: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """One split: ``{"tokens": int64 [n_tokens], "labels": int16, "nll": float64, "entropy": float64}``.
+
+    ``entropy`` is the entropy (nats) of the source's prediction at each token
+    (that of the start distribution at a document start; nan at ``<eos>``).
+    """
+    P, D = c["passage_len"], c["doc_passages"]
+    V = source.vocab_size
+    doc_len = D * P + 1
+    n_docs = -(-n_tokens // doc_len)
+    lo, hi = math.ceil(c["min_gap"] / P), c["max_gap"] // P
+
+    # repeat decisions and sources, vectorised: passage i may copy j = i - d, d in [lo, min(hi, i)]
+    i = np.arange(D)
+    n_cand = np.clip(np.minimum(hi, i) - lo + 1, 0, None)
+    rep = (rng.random((n_docs, D)) < c["p_repeat"]) & (n_cand > 0)[None, :]
+    d = lo + np.floor(rng.random((n_docs, D)) * n_cand[None, :]).astype(np.int64)
+    src = np.where(rep, i[None, :] - d, -1)
+    u = rng.random((n_docs, D * P))
+
+    cum = np.cumsum(source.prob, axis=1)
+    cum[:, -1] = 1.0
+    toks = np.zeros((n_docs, D * P), dtype=np.int64)
+    rows = np.arange(n_docs)
+    for p in range(D):
+        copy = rep[:, p]
+        src_col = np.maximum(src[:, p], 0) * P
+        for k in range(P):
+            col = p * P + k
+            if col == 0:
+                fresh = 1 + np.minimum((u[:, 0] * (V - 1)).astype(np.int64), V - 2)
+            else:
+                prev = toks[:, col - 1]
+                choice = (cum[prev] <= u[:, col, None]).sum(axis=1)
+                fresh = source.succ[prev, np.minimum(choice, source.succ.shape[1] - 1)]
+            toks[:, col] = np.where(copy, toks[rows, src_col + k], fresh)
+
+    labels = np.where(rep[:, :, None], np.arange(1, P + 1)[None, None, :], 0).reshape(n_docs, D * P)
+    prev = np.concatenate([np.full((n_docs, 1), -1), toks[:, :-1]], axis=1)
+    nll = source.nll(prev.reshape(-1), toks.reshape(-1)).reshape(n_docs, D * P)
+    ent_state = source.entropy()
+    entropy = np.where(prev < 0, source.start_entropy(), ent_state[np.maximum(prev, 0)])
+
+    def with_eos(a: np.ndarray, fill: Any, dtype: Any) -> np.ndarray:
+        out = np.empty((n_docs, doc_len), dtype=dtype)
+        out[:, :-1] = a
+        out[:, -1] = fill
+        return out.reshape(-1)[:n_tokens]
+
+    return {
+        "tokens": with_eos(toks, EOS_IDX, np.int64),
+        "labels": with_eos(labels, 0, np.int16),
+        "nll": with_eos(nll, np.nan, np.float64),
+        "entropy": with_eos(entropy, np.nan, np.float64),
+    }
+
+
+def _split_stats(g: dict[str, np.ndarray], repeat_skip: int) -> dict[str, Any]:
+    tok, lab = g["tokens"], g["labels"]
+    fresh = (lab == 0) & (tok != EOS_IDX)
+    scored = lab > repeat_skip
+
+    def mean(x: np.ndarray) -> float:
+        return float(x.mean()) if len(x) else float("nan")
+
+    return {
+        "tokens": len(tok),
+        "docs": int(np.count_nonzero(tok == EOS_IDX)) + int(tok[-1] != EOS_IDX),
+        "fresh_tokens": int(fresh.sum()),
+        "repeated_tokens": int((lab > 0).sum()),
+        "repeat_fraction": float((lab > 0).mean()),
+        "fresh_entropy": mean(g["entropy"][fresh]),
+        "fresh_source_nll": mean(g["nll"][fresh]),
+        "scored_repeat_tokens": int(scored.sum()),
+        "scored_repeat_source_nll": mean(g["nll"][scored]),
+    }
+
+
+def make_synthetic(cfg: Any = None) -> Corpus:
+    """Generate the passage-recall corpus (module docstring; SPEC §4).
+
+    Args:
+        cfg: an object with the fields of :class:`crtn.config.SyntheticConfig`
+            (None: the defaults).
+
+    Returns:
+        A :class:`Corpus` named ``"synthetic"`` with ``labels`` (int16),
+        ``source_nll`` (float32 nats; nan at ``<eos>``, inf at the first token of
+        a repeat when the source cannot produce it there), ``source`` (the
+        :class:`MarkovSource`) and ``info``: ``markov_entropy`` (entropy rate of
+        the source, nats/token), ``start_entropy``, ``gap_passages`` (the allowed
+        copy distances in passages), ``doc_len``, ``repeat_skip``, and per split
+        (``info["splits"][name]``) token, document and repeat counts,
+        ``fresh_entropy`` (expected source NLL of the fresh tokens, nats),
+        ``fresh_source_nll`` (realised mean), ``repeat_fraction``.
+
+    Raises:
+        ConfigError: an invalid ``data.synthetic.*`` value (named).
+    """
+    c = _settings(cfg)
+    _validate(c)
+    seeds = np.random.SeedSequence(int(c["seed"])).spawn(1 + len(SPLITS))
+    source = make_source(c["vocab_size"], c["branching"], c["concentration"], np.random.default_rng(seeds[0]))
+    gen = {
+        s: generate_split(c, source, int(c[f"{s}_tokens"]), np.random.default_rng(seeds[1 + j]))
+        for j, s in enumerate(SPLITS)
+    }
+    V = c["vocab_size"]
+    vocab = Vocab([EOS] + [f"s{i}" for i in range(1, V)], eos=EOS)
+    splits = {s: torch.from_numpy(gen[s]["tokens"]) for s in SPLITS}
+    P = c["passage_len"]
+    info = {
+        "markov_entropy": source.entropy_rate(),
+        "start_entropy": source.start_entropy(),
+        "uniform_entropy": math.log(V - 1),
+        "gap_passages": [math.ceil(c["min_gap"] / P), c["max_gap"] // P],
+        "doc_len": c["doc_passages"] * P + 1,
+        "repeat_skip": int(c["repeat_skip"]),
+        "tokens": {s: len(splits[s]) for s in SPLITS},
+        "splits": {s: _split_stats(gen[s], int(c["repeat_skip"])) for s in SPLITS},
+        "config": dict(c),
+    }
+    return Corpus(
+        name="synthetic",
+        vocab=vocab,
+        level="word",
+        metric="ppl",
+        splits=splits,
+        train_counts=torch.bincount(splits["train"], minlength=V),
+        labels={s: torch.from_numpy(gen[s]["labels"]) for s in SPLITS},
+        source_nll={s: torch.from_numpy(gen[s]["nll"].astype(np.float32)) for s in SPLITS},
+        info=info,
+        source=source,
+    )

@@ -1,0 +1,47 @@
+"""Shared fixtures.
+
+The real corpora (WikiText-2, Penn Treebank, Tiny Shakespeare) live outside the
+repository. Tests find them through the environment variable ``CRTN_DATA``,
+which ``.ci/run`` sets; when it is unset, ``../shared/data`` beside the checkout
+is used if it exists. A test that needs them fails (never skips) when they are
+missing, so a green run always means the real-data tests ran.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shared_data() -> Path | None:
+    env = os.environ.get("CRTN_DATA")
+    if env:
+        return Path(env)
+    default = REPO.parent / "shared" / "data"
+    return default if default.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Folder holding ``wikitext-2/``, ``penn/`` and ``shakespeare/`` (fails if missing)."""
+    path = _shared_data()
+    if path is None or not path.is_dir():
+        pytest.fail(
+            "real corpora not found: set CRTN_DATA to a folder with wikitext-2/, penn/ and "
+            "shakespeare/ (tools/getdata.sh fetches them); got "
+            f"{os.environ.get('CRTN_DATA')!r}"
+        )
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    """Every test starts from the same RNG state and uses 2 threads at most."""
+    torch.manual_seed(0)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
