@@ -1,0 +1,388 @@
+"""Relative multi-head attention of Transformer-XL, extended with retrieved cache segments.
+
+Transformer-XL layer n for segment tau (SPEC §2; Dai et al. 2019, eq. A_rel; seed 000):
+
+    h~ = [SG(m) o h]                                   memory, then the current segment
+    q, k, v = h W_q, h~ W_{k,E}, h~ W_v
+    A[i, j] = q_i.k_j + q_i.W_{k,R} R_{i-j} + u.k_j + v.W_{k,R} R_{i-j}
+            = (q_i + u).k_j  +  (q_i + v).(W_{k,R} R_{i-j})        ("AC" + "BD")
+    a = Masked-Softmax(A / sqrt(d_head)) v
+
+For CRTN (SPEC §3 step 3) every query token j also attends to the L rows of each of
+its k retrieved segments Z_{j,1..k}, placed before the memory:
+
+    keys   from [Z_{j,1}; ...; Z_{j,k}; S; H_t]                 (unweighted)
+    values from [a_{j,1} Z_{j,1}; ...; a_{j,k} Z_{j,k}; S; H_t]  (weighted by alpha)
+
+The memory and current segment are shared by all tokens and handled exactly as in
+Transformer-XL. The retrieved rows differ per token, so projecting them per token
+(k*L rows of d per token and layer) would cost O(B L k L d^2). Instead the keys
+and values of retrieved rows are never formed (SPEC §3, "Efficient main pass"):
+
+    (q_j + u) . (W_{k,E} z)  =  (W_{k,E}^T (q_j + u)) . z        query folded into model space
+    sum_r p_{j,r} alpha W_v z_r  =  W_v (sum_r p_{j,r} alpha z_r)  mix first, project once
+
+so each token costs O(H d) per retrieved row, and alpha scales the attention
+probabilities of its segment. ``tests/test_crtn_reference.py`` checks this against
+a naive per-token loop that builds every context explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class PositionalEmbedding(nn.Module):
+    """Sinusoid embedding of relative distances, R[p] = [sin(p w), cos(p w)] (Vaswani et al. 2017).
+
+    ``w_i = 10000^(-2i/d)``, i = 0..d/2-1, as in the Transformer-XL release. Angles are
+    computed in float64 so that long distances (CRTN's ``cache.pos=real``) stay exact.
+
+    Args:
+        d_model: embedding width d (even).
+    """
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, dtype=torch.float64) / d_model))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def angles(self, pos: Tensor) -> Tensor:
+        """``pos[..., None] * w`` in float64: [...] -> [..., d/2]."""
+        return pos.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+
+    def forward(self, pos: Tensor, dtype: torch.dtype) -> Tensor:
+        """Embed distances ``pos`` [...] (any real values) -> [..., d] in ``dtype``."""
+        ang = self.angles(pos)
+        return torch.cat([ang.sin(), ang.cos()], -1).to(dtype)
+
+
+def rel_shift(x: Tensor) -> Tensor:
+    """Transformer-XL's relative shift of the position scores.
+
+    Input ``x[..., i, c]`` [..., L, K] holds the score of query i against distance
+    ``K-1-c`` (position sequence K-1, ..., 0). Output ``y[..., i, j]`` is the score of
+    query i (at position K-L+i) against key position j, i.e. distance K-L+i-j. Entries
+    with j > K-L+i (future keys) are garbage and must be masked by the caller.
+    """
+    *lead, qlen, klen = x.shape
+    x = F.pad(x, (1, 0))  # [..., L, K+1]
+    x = x.view(*lead, klen + 1, qlen)[..., 1:, :]
+    return x.reshape(*lead, qlen, klen)
+
+
+@dataclass
+class CacheContext:
+    """The segments retrieved for each token of the current segment (SPEC §3 steps 2-3).
+
+    Shapes: B batch rows, L tokens, k retrieved segments per token, Ls rows per segment,
+    d model width, n layers.
+
+    Attributes:
+        values: [n+1, B*N, Ls, d] cached hidden states of every slot (gradient-stopped),
+            layer-major so that ``values[layer]`` is one contiguous block.
+        index: [B, L, k] flat slot index ``b * N + slot`` of each retrieved segment,
+            ordered by stream position, oldest first.
+        alpha: [B, L, k] retrieval weights (differentiable w.r.t. the query).
+        weighted: whether alpha scales the values (``cache.weighted``).
+        age: [B, L, k] distance in tokens from the current segment's first token to the
+            first token of each retrieved segment (for ``cache.pos=real``), else None.
+    """
+
+    values: Tensor
+    index: Tensor
+    alpha: Tensor
+    weighted: bool
+    age: Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.index.shape[-1]
+
+    @property
+    def seg_len(self) -> int:
+        return self.values.shape[2]
+
+    def gather(self, layer: int, dtype: torch.dtype) -> Tensor:
+        """Layer-``layer`` states of each token's retrieved segments: [B, L, k*Ls, d]."""
+        B, L, k = self.index.shape
+        z = self.values[layer].index_select(0, self.index.reshape(-1))  # [B*L*k, Ls, d]
+        return z.to(dtype).view(B, L, k * self.seg_len, -1)
+
+
+class RelPartialLearnableMultiHeadAttn(nn.Module):
+    """Transformer-XL relative attention (release ``attn_type=0``), optionally over retrieved segments.
+
+    Parameter names follow the Transformer-XL release so that weights convert 1:1:
+    ``qkv_net`` (W_q, W_{k,E}, W_v stacked, no bias), ``r_net`` (W_{k,R}), ``o_net``,
+    ``layer_norm``; ``r_w_bias`` (u) and ``r_r_bias`` (v) when ``untie_r``.
+
+    Args:
+        n_head, d_model, d_head: heads H, model width d, head width d_h.
+        dropout: on the output projection; dropatt: on the attention probabilities.
+        pre_lnorm: LayerNorm before attention (on memory and segment) instead of after.
+        untie_r: own u, v per layer instead of the model's shared pair.
+    """
+
+    def __init__(
+        self,
+        n_head: int,
+        d_model: int,
+        d_head: int,
+        dropout: float,
+        dropatt: float = 0.0,
+        pre_lnorm: bool = False,
+        layer_norm_eps: float = 1e-5,
+        untie_r: bool = False,
+    ):
+        super().__init__()
+        self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
+        self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
+        self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
+        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.drop = nn.Dropout(dropout)
+        self.dropatt = nn.Dropout(dropatt)
+        self.scale = 1.0 / math.sqrt(d_head)
+        self.pre_lnorm = pre_lnorm
+        if untie_r:
+            self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head))
+            self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head))
+
+    def forward(
+        self,
+        h: Tensor,
+        pos_emb: Tensor,
+        r_w_bias: Tensor,
+        r_r_bias: Tensor,
+        attn_mask: Tensor,
+        mem: Tensor | None = None,
+        cache: CacheContext | None = None,
+        layer: int = 0,
+        real_pos: RealPositions | None = None,
+    ) -> Tensor:
+        """One attention sub-layer (residual and LayerNorm included).
+
+        Args:
+            h: [B, L, d] current segment H_t (layer input).
+            pos_emb: [C+M+L, d] sinusoid embeddings of distances C+M+L-1 ... 0, where C is
+                the number of retrieved rows per token (0 without cache, or with
+                ``cache.pos=real``) and M the memory length.
+            r_w_bias, r_r_bias: [H, d_h] u and v (ignored when the layer owns its own).
+            attn_mask: bool, True = masked; [L, M+L] or broadcastable [B', 1, L, M+L],
+                over the memory and current segment only (retrieved rows are all visible).
+            mem: [B, M, d] short-term memory S at this layer (gradient-stopped), or None.
+            cache: the retrieved segments (CRTN main pass), or None.
+            layer: index of this layer's input in ``cache.values``.
+            real_pos: position terms of retrieved rows for ``cache.pos=real``.
+
+        Returns:
+            [B, L, d] the sub-layer output.
+        """
+        if hasattr(self, "r_w_bias"):
+            r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
+        B, L, _ = h.shape
+        H, dh = self.n_head, self.d_head
+        cat = h if mem is None or mem.shape[1] == 0 else torch.cat([mem, h], 1)
+        K = cat.shape[1]
+        x = self.layer_norm(cat) if self.pre_lnorm else cat
+        w_heads = self.qkv_net(x)
+        q, k, v = w_heads.split(H * dh, dim=-1)
+        q = q[:, -L:].reshape(B, L, H, dh)
+        k = k.reshape(B, K, H, dh)
+        v = v.reshape(B, K, H, dh)
+        r_head_k = self.r_net(pos_emb).view(-1, H, dh)  # [R, H, dh]
+
+        rw_q = q + r_w_bias  # [B, L, H, dh]
+        rr_q = q + r_r_bias
+        ac = torch.matmul(rw_q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, L, K]
+        bd = torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0))  # [B, H, L, R]
+        bd = rel_shift(bd)
+        C = bd.shape[-1] - K  # retrieved rows covered by pos_emb (pos=concat)
+        score = ac + bd[..., C:]
+        score = score.masked_fill(attn_mask, float("-inf"))
+
+        if cache is None:
+            prob = self.dropatt(torch.softmax(score * self.scale, dim=-1))
+            attn_vec = torch.matmul(prob, v.transpose(1, 2))  # [B, H, L, dh]
+            attn_vec = attn_vec.transpose(1, 2).reshape(B, L, H * dh)
+        else:
+            attn_vec = self._attend_with_cache(
+                score, bd[..., :C], rw_q, rr_q, v, cache, layer, real_pos, B, L
+            )
+
+        attn_out = self.drop(self.o_net(attn_vec))
+        if self.pre_lnorm:
+            return h + attn_out
+        return self.layer_norm(h + attn_out)
+
+    def _attend_with_cache(
+        self,
+        score: Tensor,
+        bd_cache: Tensor,
+        rw_q: Tensor,
+        rr_q: Tensor,
+        v: Tensor,
+        cache: CacheContext,
+        layer: int,
+        real_pos: RealPositions | None,
+        B: int,
+        L: int,
+    ) -> Tensor:
+        """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows."""
+        H, dh, d = self.n_head, self.d_head, self.d_model
+        w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
+        z = cache.gather(layer, rw_q.dtype)  # [B, L, C, d]
+        if self.pre_lnorm:
+            z = self.layer_norm(z)
+        C = z.shape[2]
+        zf = z.reshape(B * L, C, d)
+        # content term (q_j + u).W_{k,E} z: fold the query into model space once per token
+        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, d)
+        ac_c = torch.bmm(q_model, zf.transpose(1, 2)).view(B, L, H, C).transpose(1, 2)
+        if real_pos is not None:
+            bd_c = real_pos.bd(rr_q, self.r_net.weight, cache, layer)  # [B, H, L, C]
+        else:
+            bd_c = bd_cache
+        score_c = ac_c + bd_c
+        prob = torch.softmax(torch.cat([score_c, score], -1) * self.scale, dim=-1)
+        prob = self.dropatt(prob)
+        prob_c, prob_m = prob.split([C, score.shape[-1]], dim=-1)
+        out = torch.matmul(prob_m, v.transpose(1, 2)).transpose(1, 2)  # [B, L, H, dh]
+        # value term: mix retrieved rows per head (scaled by alpha), then project with W_v
+        prob_c = prob_c.transpose(1, 2)  # [B, L, H, C]
+        if cache.weighted:
+            seg = cache.seg_len
+            prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
+        mix = torch.bmm(prob_c.reshape(B * L, H, C), zf)  # [B*L, H, d]
+        out = out + torch.einsum("nhd,hed->nhe", mix, w_v).view(B, L, H, dh)
+        return out.reshape(B, L, H * dh)
+
+
+class RealPositions:
+    """Position term of retrieved rows at their true stream distance (``cache.pos=real``, SPEC §3).
+
+    Row r of a segment whose first token lies ``D`` tokens before the current segment's
+    first token is at distance ``D + j - r`` from token j. With R = [sin, cos] and the
+    angle-addition formula, ``(q_j + v).W_{k,R} R_{D+j-r}`` equals
+    ``rot_D(W_{k,R}^T (q_j + v)) . R_{j-r}``, where rot_D rotates each (sin, cos)
+    frequency pair by ``D w``. This costs O(H d) per retrieved row and never embeds
+    the (up to m + N L) distinct distances. Distances above ``clamp_len`` use
+    ``R_{clamp_len}`` as in Transformer-XL.
+
+    Args:
+        pos_emb: the model's :class:`PositionalEmbedding`.
+        seg_len: Ls, rows per retrieved segment; q_len: L, tokens in the segment.
+        clamp_len: -1 for none.
+        dtype: compute dtype.
+    """
+
+    def __init__(
+        self,
+        pos_emb: PositionalEmbedding,
+        age: Tensor,
+        seg_len: int,
+        q_len: int,
+        clamp_len: int,
+        dtype: torch.dtype,
+    ):
+        self.pos_emb = pos_emb
+        self.age = age  # [B, L, k] long
+        j = torch.arange(q_len, device=age.device)
+        r = torch.arange(seg_len, device=age.device)
+        self.rel = pos_emb(j[:, None] - r[None, :], dtype)  # [L, Ls, d]  R_{j-r}
+        ang = pos_emb.angles(age)  # [B, L, k, d/2] float64
+        self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        self.clamp_len = clamp_len
+        if clamp_len > 0:
+            dist = age[..., None] + (j[None, :, None, None] - r[None, None, None, :])  # [B, L, k, Ls]
+            self.clamped = dist > clamp_len
+            self.r_clamp = pos_emb(torch.tensor([float(clamp_len)], device=age.device), dtype)  # [1, d]
+
+    def bd(self, rr_q: Tensor, r_weight: Tensor, cache: CacheContext, layer: int) -> Tensor:
+        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
+        B, L, H, dh = rr_q.shape
+        d = r_weight.shape[1]
+        w = torch.einsum("blhe,hed->blhd", rr_q, r_weight.view(H, dh, d))  # [B, L, H, d]
+        ws, wc = w[..., None, :, : d // 2], w[..., None, :, d // 2 :]  # [B, L, 1, H, d/2]
+        cos, sin = self.cos[:, :, :, None], self.sin[:, :, :, None]  # [B, L, k, 1, d/2]
+        rot = torch.cat([ws * cos - wc * sin, ws * sin + wc * cos], -1)  # [B, L, k, H, d]
+        bd = torch.einsum("blkhd,lrd->bhlkr", rot, self.rel)  # [B, H, L, k, Ls]
+        if self.clamp_len > 0:
+            bd_clamp = torch.einsum("blhd,d->bhl", w, self.r_clamp[0])[..., None, None]
+            bd = torch.where(self.clamped[:, None], bd_clamp, bd)
+        return bd.reshape(B, H, L, -1)
+
+
+class PositionwiseFF(nn.Module):
+    """Position-wise feed-forward sub-layer, ReLU(x W1 + b1) W2 + b2, residual and LayerNorm.
+
+    Names follow the Transformer-XL release (``CoreNet``, ``layer_norm``). x: [..., d] -> [..., d].
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_inner: int,
+        dropout: float,
+        pre_lnorm: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        self.CoreNet = nn.Sequential(
+            nn.Linear(d_model, d_inner),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(d_inner, d_model),
+            nn.Dropout(dropout),
+        )
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.pre_lnorm = pre_lnorm
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pre_lnorm:
+            return x + self.CoreNet(self.layer_norm(x))
+        return self.layer_norm(x + self.CoreNet(x))
+
+
+class RelPartialLearnableDecoderLayer(nn.Module):
+    """One Transformer-XL layer: relative attention then feed-forward (SPEC §2)."""
+
+    def __init__(
+        self,
+        n_head: int,
+        d_model: int,
+        d_head: int,
+        d_inner: int,
+        dropout: float,
+        dropatt: float = 0.0,
+        pre_lnorm: bool = False,
+        layer_norm_eps: float = 1e-5,
+        untie_r: bool = False,
+    ):
+        super().__init__()
+        self.dec_attn = RelPartialLearnableMultiHeadAttn(
+            n_head, d_model, d_head, dropout, dropatt, pre_lnorm, layer_norm_eps, untie_r
+        )
+        self.pos_ff = PositionwiseFF(d_model, d_inner, dropout, pre_lnorm, layer_norm_eps)
+
+    def forward(
+        self,
+        h: Tensor,
+        pos_emb: Tensor,
+        r_w_bias: Tensor,
+        r_r_bias: Tensor,
+        attn_mask: Tensor,
+        mem: Tensor | None = None,
+        cache: CacheContext | None = None,
+        layer: int = 0,
+        real_pos: RealPositions | None = None,
+    ) -> Tensor:
+        """h [B, L, d] -> [B, L, d]; see :meth:`RelPartialLearnableMultiHeadAttn.forward`."""
+        out = self.dec_attn(h, pos_emb, r_w_bias, r_r_bias, attn_mask, mem, cache, layer, real_pos)
+        return self.pos_ff(out)

@@ -1,0 +1,398 @@
+"""The key-value cache of past segments and top-k retrieval (SPEC §3).
+
+Per batch row the cache holds N slots. Slot i stores one past segment of Ls tokens:
+its hidden states at every layer 0..n (the value V_i), its key k_i = summary(top layer
+of V_i), the stream position of its first token, and how often it was selected.
+All of it is gradient-stopped.
+
+Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d], and renewal writes
+one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
+cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
+in every row and empty slots are simply never scored.
+
+Selection (SPEC §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots;
+alpha = softmax over all valid slots (``alpha_norm=all``, seed 003:
+topk(softmax(Q Keys^T))) or over the top-k scores (``topk``); the k best slots per
+token, re-ordered by stream position (oldest first). With fewer than k valid slots,
+all valid slots are taken. The ``faiss`` backend finds the top-k with one faiss index
+per batch row and then recomputes the k scores in torch, so gradients reach the
+query exactly as with the ``torch`` backend; alpha is then normalised over the top-k.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from crtn.model.summary import Summary
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass
+class Selection:
+    """The result of top-k retrieval for one segment.
+
+    Attributes:
+        slot: [B, L, k] slot index (0..N-1) per token, ordered oldest first.
+        flat_index: [B, L, k] ``b * N + slot``, rows of ``SegmentCache.values[layer]``.
+        alpha: [B, L, k] retrieval weights (differentiable w.r.t. the query).
+        age: [B, L, k] tokens from the current segment's first token back to the first
+            token of the selected segment (a multiple of Ls).
+    """
+
+    slot: Tensor
+    flat_index: Tensor
+    alpha: Tensor
+    age: Tensor
+
+
+class SegmentCache:
+    """N cached segments per batch row, renewed first-in first-out (SPEC §3 step 5).
+
+    Args:
+        n_slot: N, slots per row.
+        batch_size: B.
+        renew: ``fifo`` (drop the oldest slot) or ``least_used`` (drop the slot selected
+            least often since it entered; ties go to the oldest).
+        dtype: storage dtype of the values (float32, float16, bfloat16, float64); None
+            stores them in the dtype of the inserted states.
+        backend: ``torch`` (exact scores on the model's device) or ``faiss``.
+        faiss_opts: for ``faiss``: ``index`` (flat | hnsw), ``hnsw_m``,
+            ``hnsw_ef_search``, ``hnsw_ef_construction``.
+    """
+
+    def __init__(
+        self,
+        n_slot: int,
+        batch_size: int,
+        renew: str = "fifo",
+        dtype: str | torch.dtype | None = None,
+        backend: str = "torch",
+        faiss_opts: dict | None = None,
+    ):
+        if n_slot <= 0:
+            raise ValueError(f"cache.n_slot={n_slot} must be > 0 to build a cache")
+        self.n_slot, self.batch_size, self.renew = n_slot, batch_size, renew
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
+        self.backend, self.faiss_opts = backend, dict(faiss_opts or {})
+        self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
+        self.keys: Tensor | None = None  # [B, N, d_key] (identity/token_max: views of values)
+        self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
+        self.usage: Tensor | None = None  # [B, N] times selected since insertion
+        self.newest: Tensor | None = None  # [B] slot written last
+        self.n_insert = 0
+        self._key_view: str | None = None
+        self._faiss: _FaissRows | None = None
+        self._pending: tuple | None = None
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def n_valid(self) -> int:
+        """Filled slots per row (the same in every row): slots 0..n_valid-1."""
+        return min(self.n_insert, self.n_slot)
+
+    @property
+    def seg_len(self) -> int:
+        return 0 if self.values is None else self.values.shape[2]
+
+    def layer_values(self, layer: int) -> Tensor:
+        """States of every slot at ``layer``: [B, N, Ls, d] (a view)."""
+        assert self.values is not None
+        return self.values[layer].view(self.batch_size, self.n_slot, self.seg_len, -1)
+
+    def valid_keys(self) -> Tensor:
+        """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max)."""
+        assert self.values is not None
+        nv = self.n_valid
+        if self._key_view is not None:
+            top = self.layer_values(self.values.shape[0] - 1)[:, :nv]
+            return top.flatten(-2) if self._key_view == "identity" else top
+        assert self.keys is not None
+        return self.keys[:, :nv]
+
+    def newest_states(self) -> Tensor:
+        """States of the slot written last in each row (segment X_{t-1} when mem_len=0): [n+1, B, Ls, d]."""
+        assert self.values is not None and self.newest is not None and self.n_insert > 0
+        rows = torch.arange(self.batch_size, device=self.values.device) * self.n_slot + self.newest
+        return self.values.index_select(1, rows)
+
+    def insert(self, states: Tensor, key: Tensor | None, pos: int, summary: Summary) -> None:
+        """Stage one new segment per row; it enters the cache at the next :meth:`commit`.
+
+        Renewal writes the ring buffer in place. Deferring the write to the start of
+        the next step keeps the keys and values that this step's backward pass needs
+        intact; the model commits before it reads the cache.
+
+        Args:
+            states: [n+1, B, Ls, d] hidden states of the segment at layers 0..n (detached).
+            key: [B, d_key] its key, or None when the summary's key is a view of the
+                top layer (identity, token_max).
+            pos: stream position of the segment's first token (the same in every row).
+            summary: the model's summary (decides how keys are stored).
+        """
+        self.commit()
+        self._pending = (states, key, pos, summary)
+
+    def commit(self) -> None:
+        """Write the staged segment (if any) into its slot: FIFO or least-used replacement."""
+        if self._pending is None:
+            return
+        states, key, pos, summary = self._pending
+        self._pending = None
+        n_layers, B, Ls, d = states.shape
+        dev = states.device
+        if self.values is None:
+            self.dtype = self.dtype or states.dtype
+            self.values = torch.empty(n_layers, B * self.n_slot, Ls, d, dtype=self.dtype, device=dev)
+            self.pos = torch.full((B, self.n_slot), -1, dtype=torch.long, device=dev)
+            self.usage = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
+            self.newest = torch.zeros(B, dtype=torch.long, device=dev)
+            if summary.name in ("identity", "token_max"):
+                self._key_view = summary.name
+            else:
+                self.keys = torch.zeros(B, self.n_slot, summary.d_key, dtype=states.dtype, device=dev)
+        assert self.pos is not None and self.usage is not None
+        if Ls != self.seg_len:
+            raise ValueError(f"segment of {Ls} rows cannot enter a cache of {self.seg_len}-row slots")
+        if self.renew == "least_used" and self.n_insert >= self.n_slot:
+            # least used, ties broken by the oldest position
+            least = self.usage == self.usage.min(1, keepdim=True).values
+            slot = self.pos.masked_fill(~least, torch.iinfo(torch.long).max).argmin(1)  # [B]
+        else:
+            slot = torch.full((B,), self.n_insert % self.n_slot, dtype=torch.long, device=dev)
+        rows = torch.arange(B, device=dev) * self.n_slot + slot
+        self.values.index_copy_(1, rows, states.to(self.dtype))
+        b = torch.arange(B, device=dev)
+        if self.keys is not None:
+            assert key is not None
+            self.keys[b, slot] = key.to(self.keys.dtype)
+        self.pos[b, slot] = pos
+        self.usage[b, slot] = 0
+        self.newest = slot
+        self.n_insert += 1
+        if self.backend == "faiss":
+            if self._faiss is None:
+                self._faiss = _FaissRows(B, self.n_slot, self.faiss_opts)
+            self._faiss.add(self._flat_keys(b, slot))
+
+    def _flat_keys(self, b: Tensor, slot: Tensor) -> np.ndarray:
+        keys = self.valid_keys() if self._key_view else self.keys
+        assert keys is not None
+        return keys[b, slot].reshape(self.batch_size, -1).float().cpu().numpy()
+
+    # ---------------------------------------------------------------- retrieval
+    def select(
+        self, query: Tensor, summary: Summary, top_k: int, alpha_norm: str, t0: int, count: bool = True
+    ) -> Selection:
+        """Top-k slots and weights for every token (SPEC §3 step 2).
+
+        Args:
+            query: [B, L, d_key] queries (``token_max``: [B, L, d]).
+            summary: scores queries against keys.
+            top_k: k; ``min(k, n_valid)`` slots are taken.
+            alpha_norm: ``all`` (softmax over all valid slots) or ``topk``; ignored by
+                the faiss backend, which always normalises over the top-k.
+            t0: stream position of the current segment's first token.
+            count: add the selections to ``usage`` (False: leave the cache untouched).
+
+        Returns:
+            a :class:`Selection`.
+
+        Raises:
+            ValueError: if the cache is empty.
+        """
+        nv = self.n_valid
+        if nv == 0:
+            raise ValueError("select() on an empty cache")
+        assert self.pos is not None and self.usage is not None
+        k = min(top_k, nv)
+        B, L = query.shape[:2]
+        if self.backend == "faiss":
+            assert self._faiss is not None
+            q_np = query.detach().reshape(B, L, -1).float().cpu().numpy()
+            slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
+            keys = self.valid_keys()
+            picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
+            alpha = torch.softmax(summary.score_selected(query, picked), -1)
+        else:
+            scores = summary.score(query, self.valid_keys())  # [B, L, nv]
+            top_s, slot = scores.topk(k, dim=-1)
+            if alpha_norm == "all":
+                alpha = torch.softmax(scores, -1).gather(-1, slot)
+            else:
+                alpha = torch.softmax(top_s, -1)
+        pos = self.pos.gather(1, slot.reshape(B, -1)).view(B, L, k)
+        order = pos.argsort(-1)
+        slot, pos, alpha = slot.gather(-1, order), pos.gather(-1, order), alpha.gather(-1, order)
+        if count:
+            self.usage.scatter_add_(1, slot.reshape(B, -1), torch.ones_like(slot).reshape(B, -1))
+        flat = slot + (torch.arange(B, device=slot.device) * self.n_slot)[:, None, None]
+        return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (faiss indexes are rebuilt from the keys)."""
+        self.commit()
+        return {
+            "n_slot": self.n_slot,
+            "batch_size": self.batch_size,
+            "n_insert": self.n_insert,
+            "values": self.values,
+            "keys": self.keys,
+            "pos": self.pos,
+            "usage": self.usage,
+            "newest": self.newest,
+            "key_view": self._key_view,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ValueError if N or B differ."""
+        if sd["n_slot"] != self.n_slot or sd["batch_size"] != self.batch_size:
+            raise ValueError(
+                f"cache state has n_slot={sd['n_slot']}, batch {sd['batch_size']}; "
+                f"expected n_slot={self.n_slot}, batch {self.batch_size}"
+            )
+        self.n_insert = sd["n_insert"]
+        self.values, self.keys, self.pos = sd["values"], sd["keys"], sd["pos"]
+        self.usage, self.newest, self._key_view = sd["usage"], sd["newest"], sd["key_view"]
+        if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
+            self.values = self.values.to(self.dtype)
+        self._faiss = None
+        if self.backend == "faiss" and self.n_insert > 0:
+            self._rebuild_faiss()
+
+    def _rebuild_faiss(self) -> None:
+        """Re-create the faiss indexes from the stored keys, oldest first."""
+        assert self.pos is not None
+        self._faiss = _FaissRows(self.batch_size, self.n_slot, self.faiss_opts)
+        nv = self.n_valid
+        order = self.pos[:, :nv].argsort(1)  # FIFO: the same order in every row
+        b = torch.arange(self.batch_size, device=order.device)
+        self._faiss.first_seq = self.n_insert - nv
+        for i in range(nv):
+            self._faiss.add(self._flat_keys(b, order[:, i]), count=False)
+        self._faiss.n_seq = self.n_insert
+
+    def to(self, device: torch.device | str) -> SegmentCache:
+        """Move the stored tensors to ``device`` (in place); returns self."""
+        for name in ("values", "keys", "pos", "usage", "newest"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
+
+class _FaissRows:
+    """One faiss inner-product index per batch row, for large N at evaluation (SPEC §3 backends).
+
+    Slots enter in FIFO order and receive sequence numbers 0, 1, 2, ...; the slot of
+    sequence number s is ``s % N``. Entries are never removed from an index (HNSW
+    cannot remove): a search is restricted to the live sequence numbers
+    [n_insert - N, n_insert) with an ``IDSelectorRange``, and an index is rebuilt from
+    the live keys once it holds 2N entries, so ids stay consistent and the work per
+    step stays O(1) amortised.
+    """
+
+    def __init__(self, batch_size: int, n_slot: int, opts: dict):
+        import faiss  # deferred: only the faiss backend needs it
+
+        self.faiss = faiss
+        self.batch_size, self.n_slot, self.opts = batch_size, n_slot, opts
+        self.indexes: list[Any] = []
+        self.first_seq = 0  # sequence number of internal id 0
+        self.n_seq = 0  # sequence numbers handed out
+        self._live: deque[np.ndarray] = deque(maxlen=n_slot)  # live keys, oldest first, for rebuilds
+
+    def _new_index(self, d: int) -> Any:
+        faiss = self.faiss
+        if self.opts.get("index", "flat") == "hnsw":
+            index = faiss.IndexHNSWFlat(d, int(self.opts.get("hnsw_m", 32)), faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = int(self.opts.get("hnsw_ef_construction", 64))
+            return index
+        return faiss.IndexFlatIP(d)
+
+    def add(self, keys: np.ndarray, count: bool = True) -> None:
+        """Add one key per row: keys [B, d_key] float32."""
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        if not self.indexes:
+            self.indexes = [self._new_index(keys.shape[1]) for _ in range(self.batch_size)]
+        if self.indexes[0].ntotal >= 2 * self.n_slot:
+            self._rebuild()
+        for b, index in enumerate(self.indexes):
+            index.add(keys[b : b + 1])
+        self._live.append(keys)
+        if count:
+            self.n_seq += 1
+
+    def _rebuild(self) -> None:
+        live = list(self._live)[1:]  # the oldest is being replaced
+        self.first_seq = self.n_seq - len(live)
+        self.indexes = [self._new_index(self.indexes[0].d) for _ in range(self.batch_size)]
+        for keys in live:
+            for b, index in enumerate(self.indexes):
+                index.add(keys[b : b + 1])
+
+    def search(self, queries: np.ndarray, k: int, n_insert: int) -> np.ndarray:
+        """Top-k live slots per query: queries [B, L, d_key] float32 -> slots [B, L, k] int64."""
+        faiss = self.faiss
+        lo = max(0, n_insert - self.n_slot) - self.first_seq
+        hi = n_insert - self.first_seq
+        sel = faiss.IDSelectorRange(lo, hi)
+        if self.opts.get("index", "flat") == "hnsw":
+            params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(self.opts.get("hnsw_ef_search", 128)))
+        else:
+            params = faiss.SearchParameters(sel=sel)
+        B, L, _ = queries.shape
+        out = np.empty((B, L, k), dtype=np.int64)
+        for b, index in enumerate(self.indexes):
+            _, ids = index.search(np.ascontiguousarray(queries[b]), k, params=params)
+            if (ids < 0).any():  # approximate search returned fewer than k: pad with the newest slot
+                ids = np.where(ids < 0, hi - 1, ids)
+            out[b] = (ids + self.first_seq) % self.n_slot
+        return out
+
+
+class RetrievalStats:
+    """Histogram of selected-segment distances and slot usage, accumulated on device.
+
+    Cheap enough to leave on in evaluation: one ``bincount`` per step, no host sync.
+    Distances are in segments (``age // seg_len``); multiply by ``seg_len`` for tokens.
+    """
+
+    def __init__(self) -> None:
+        self.hist: Tensor | None = None
+        self.seg_len = 0
+        self.n_selected = 0
+
+    def update(self, age: Tensor, seg_len: int) -> None:
+        """Count one step's selections: age [B, L, k] in tokens."""
+        seg = (age // seg_len).reshape(-1)
+        counts = torch.bincount(seg, minlength=1)
+        if self.hist is None:
+            self.hist = counts
+        else:
+            if counts.numel() > self.hist.numel():
+                self.hist = torch.nn.functional.pad(self.hist, (0, counts.numel() - self.hist.numel()))
+            self.hist[: counts.numel()] += counts
+        self.seg_len = seg_len
+        self.n_selected += seg.numel()
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: ``distance_hist`` (count per distance in segments), ``seg_len``, mean distance (tokens)."""
+        if self.hist is None:
+            return {"distance_hist": [], "seg_len": self.seg_len, "mean_distance_tokens": None}
+        hist = self.hist.cpu().tolist()
+        total = sum(hist)
+        mean = sum(i * c for i, c in enumerate(hist)) / total * self.seg_len if total else None
+        return {"distance_hist": hist, "seg_len": self.seg_len, "mean_distance_tokens": mean}

@@ -1,0 +1,320 @@
+"""Naive reference implementations for the tests.
+
+Everything here is written from the formulas of SPEC §2-3 (and seeds 000/003), with
+explicit loops over tokens and batch rows, and shares nothing with ``crtn.model``
+except the parameters it reads from a built model (and its embedding/softmax
+modules, which ``test_adaptive.py`` checks separately). It is slow by design:
+every token builds its context [retrieved segments; memory; current segment]
+explicitly, every relative distance is computed from stream or context positions
+and embedded with its own sinusoid, and the cache is a Python list of slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def sinusoid(dist: Tensor, d: int) -> Tensor:
+    """R_dist = [sin(dist w), cos(dist w)], w_i = 10000^(-2i/d): dist [C] -> [C, d] (float64)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = dist.to(torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+def _ln(x: Tensor, ln) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps)
+
+
+def attend_token(
+    attn, h_j: Tensor, rows: Tensor, val_scale: Tensor, dist: Tensor, u: Tensor, v: Tensor, clamp_len: int
+) -> Tensor:
+    """Attention of one query token over an explicit context (seed 000; SPEC §2-3).
+
+    A_c = (q + u).(W_kE x_c) + (q + v).(W_kR R_{dist_c});  a = sum_c softmax(A/sqrt(dh))_c * s_c W_v x_c
+    where x = LN(row) for pre_lnorm else row, and s_c is the value scale (alpha for
+    retrieved rows when weighted, else 1).
+
+    Args:
+        h_j: [d] layer input of the query token; rows: [C, d] layer inputs of the context;
+        val_scale: [C]; dist: [C] relative distances (query position - row position).
+
+    Returns:
+        [d] the attention sub-layer output (residual and LayerNorm applied).
+    """
+    H, dh = attn.n_head, attn.d_head
+    d = h_j.shape[-1]
+    w_q, w_k, w_v = attn.qkv_net.weight.view(3, H * dh, d)
+    pre = attn.pre_lnorm
+    xq = _ln(h_j, attn.layer_norm) if pre else h_j
+    xr = _ln(rows, attn.layer_norm) if pre else rows
+    q = (w_q @ xq).view(H, dh)
+    k = (xr @ w_k.T).view(-1, H, dh)
+    val = (xr @ w_v.T).view(-1, H, dh) * val_scale[:, None, None]
+    dist = dist.clamp(max=clamp_len) if clamp_len > 0 else dist
+    r = (sinusoid(dist, d).to(rows.dtype) @ attn.r_net.weight.T).view(-1, H, dh)
+    score = torch.einsum("hd,chd->hc", q + u, k) + torch.einsum("hd,chd->hc", q + v, r)
+    prob = torch.softmax(score / math.sqrt(dh), -1)
+    out = attn.o_net(torch.einsum("hc,chd->hd", prob, val).reshape(H * dh))
+    return h_j + out if pre else _ln(h_j + out, attn.layer_norm)
+
+
+def feed_forward(ff, x: Tensor) -> Tensor:
+    """Position-wise FF with residual and LayerNorm: x [d] -> [d]."""
+    net = ff.CoreNet
+    inner = lambda y: net[3](torch.relu(net[0](y)))  # noqa: E731
+    if ff.pre_lnorm:
+        return x + inner(_ln(x, ff.layer_norm))
+    return _ln(x + inner(x), ff.layer_norm)
+
+
+@dataclass
+class Retrieved:
+    """One retrieved segment of one token: states [n+1, Ls, d], weight, stream position."""
+
+    states: Tensor
+    alpha: float | Tensor
+    pos: int
+
+
+def naive_segment(
+    model,
+    tokens: Tensor,
+    mem: list[Tensor] | None,
+    t0: int,
+    retrieved: list[list[Retrieved]] | None = None,
+    pos_mode: str = "concat",
+    weighted: bool = True,
+    hide_mem: int = 0,
+    same_length: bool = False,
+) -> list[Tensor]:
+    """Forward one segment of ONE stream, token by token.
+
+    Args:
+        tokens: [L] ids. mem: n+1 tensors [M, d] (memory at each layer input) or None.
+        t0: stream position of tokens[0]; memory row r sits at t0 - M + r.
+        retrieved: per token, its retrieved segments ordered oldest first (CRTN main pass).
+        pos_mode: ``concat``: context positions are contiguous (retrieved rows then memory
+            then segment); ``real``: true stream distances.
+        hide_mem: the first ``hide_mem`` memory rows are invisible (fixed_length_2).
+        same_length: Transformer-XL's ``same_length``: when M + L > mem_len every token
+            sees only the positions at distance < mem_len.
+
+    Returns:
+        n+1 tensors [L, d]: the states at layers 0..n.
+    """
+    L = tokens.shape[0]
+    M = 0 if mem is None else mem[0].shape[0]
+    h = model.word_emb(tokens[None])[0]
+    hs = [h]
+    for layer_i, layer in enumerate(model.layers):
+        attn = layer.dec_attn
+        u = attn.r_w_bias if model.untie_r else model.r_w_bias
+        v = attn.r_r_bias if model.untie_r else model.r_r_bias
+        out = []
+        for j in range(L):
+            rows, scale, dist = [], [], []
+            segs = [] if retrieved is None else retrieved[j]
+            n_ret = sum(s.states.shape[1] for s in segs)
+            c = 0
+            for seg in segs:
+                Ls = seg.states.shape[1]
+                for r in range(Ls):
+                    rows.append(seg.states[layer_i, r])
+                    scale.append(seg.alpha if weighted else 1.0)
+                    if pos_mode == "real":
+                        dist.append((t0 + j) - (seg.pos + r))
+                    else:
+                        dist.append((n_ret + M + j) - c)
+                    c += 1
+            for r in range(hide_mem, M):
+                rows.append(mem[layer_i][r])
+                scale.append(1.0)
+                dist.append((t0 + j) - (t0 - M + r))
+            for r in range(j + 1):
+                rows.append(h[r])
+                scale.append(1.0)
+                dist.append(j - r)
+            if same_length and M + L > model.mem_len:
+                keep = [i for i, x in enumerate(dist) if x < model.mem_len]
+                rows, scale, dist = [rows[i] for i in keep], [scale[i] for i in keep], [dist[i] for i in keep]
+            rows_t = torch.stack(rows)
+            scale_t = torch.stack([torch.as_tensor(s, dtype=h.dtype) for s in scale])
+            a = attend_token(attn, h[j], rows_t, scale_t, torch.tensor(dist), u, v, model.clamp_len)
+            out.append(feed_forward(layer.pos_ff, a))
+        h = torch.stack(out)
+        hs.append(h)
+    return hs
+
+
+# ----------------------------------------------------------------- CRTN recurrence
+def naive_key(summary, top: Tensor) -> Tensor:
+    """Key of a slot from its top layer Y [Ls, d] (SPEC §3 summaries)."""
+    name = summary.name
+    if name == "identity":
+        return top.reshape(-1)
+    if name == "linear":
+        k = summary.proj(top.reshape(-1))
+        return torch.tanh(k) if summary.tanh else k
+    if name == "last_state":
+        return top[-1]
+    if name == "mean":
+        return top.mean(0)
+    if name == "max":
+        return top.max(0).values
+    return top  # token_max: all rows
+
+
+def naive_query_summary(summary, window: Tensor, token_row: int) -> Tensor:
+    """q = summary(W_j), W_j [L, d]; ``last_state`` takes row ``token_row``."""
+    name = summary.name
+    if name == "identity":
+        return window.reshape(-1)
+    if name == "linear":
+        q = summary.proj(window.reshape(-1))
+        return torch.tanh(q) if summary.tanh else q
+    if name == "last_state":
+        return window[token_row]
+    if name == "mean":
+        return window.mean(0)
+    if name == "max":
+        return window.max(0).values
+    raise AssertionError(name)
+
+
+def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
+    """<q, k> / sqrt(d_key); token_max: max over the key's rows."""
+    if summary.name == "token_max":
+        return (key @ q).max() / math.sqrt(q.shape[0])
+    return (q @ key) / math.sqrt(q.shape[0])
+
+
+@dataclass
+class Slot:
+    states: Tensor  # [n+1, Ls, d]
+    key: Tensor
+    pos: int
+    usage: int = 0
+
+
+@dataclass
+class RowState:
+    mem: list[Tensor] | None = None
+    slots: list[Slot] = field(default_factory=list)
+    r_prev: Tensor | None = None
+    prev_tokens: Tensor | None = None
+
+
+class NaiveCRTN:
+    """The CRTN recurrence of SPEC §3 for one stream, written from the definitions.
+
+    Uses the model's parameters and its config (strategy, summary, n_slot, top_k,
+    alpha_norm, weighted, pos, renew). ``step`` returns the per-token NLL and, per token,
+    the selected (slot position, alpha) pairs.
+    """
+
+    def __init__(self, model):
+        self.m = model
+        self.L = model.tgt_len
+        self.row = RowState()
+
+    def _pass(self, tokens, mem, t0, retrieved=None, hide_mem=0):
+        c = self.m.cache_cfg
+        return naive_segment(self.m, tokens, mem, t0, retrieved, c.pos, c.weighted, hide_mem)
+
+    def _windows(self, tokens, r_cur, qmem, t0):
+        m, L, st = self.m, self.L, self.row
+        strategy = m.query.strategy
+        d = m.d_model
+        r_prev = st.r_prev if st.r_prev is not None else torch.zeros(L, d, dtype=r_cur.dtype)
+        G = torch.cat([r_prev, r_cur], 0)  # [2L, d]
+        wins, rows = [], []
+        for j in range(L):
+            if strategy == "last_l":
+                masked = G.clone()
+                masked[L + j + 1 :] = 0
+                wins.append(masked[L:])
+                rows.append(j)
+            elif strategy == "middle_l":
+                wins.append(G[j + 1 : j + 1 + L])
+                rows.append(L - 1)
+            elif strategy == "linear":
+                masked = G.clone()
+                masked[L + j + 1 :] = 0
+                lin = m.query.seq_linear
+                wins.append(lin.weight @ masked + lin.bias[:, None])
+                rows.append(j)
+            elif strategy == "fixed_length_1":
+                prev = st.prev_tokens if st.prev_tokens is not None else torch.zeros(L, dtype=tokens.dtype)
+                raw = torch.cat([prev, tokens])[j + 1 : j + 1 + L]
+                wins.append(naive_segment(m, raw, None, 0)[-1])
+                rows.append(L - 1)
+            elif strategy == "fixed_length_2":
+                prev_states = [x[-L:] for x in qmem]  # stored states of X_{t-1}
+                t_j = naive_segment(m, tokens[: j + 1], prev_states, t0, hide_mem=j + 1)[-1]
+                wins.append(torch.cat([r_prev[j + 1 :], t_j], 0))
+                rows.append(L - 1)
+            else:
+                raise AssertionError(strategy)
+        return wins, rows
+
+    def step(self, tokens: Tensor, target: Tensor, t0: int):
+        m, L, st = self.m, self.L, self.row
+        c = m.cache_cfg
+        n = m.n_layer
+        # 1. query pass: memory S, or the newest slot (X_{t-1}) when S is shorter than L
+        if st.mem is not None and st.mem[0].shape[0] >= L:
+            qmem = st.mem
+        elif st.slots:
+            newest = max(st.slots, key=lambda s: s.pos)
+            qmem = [newest.states[i] for i in range(n + 1)]
+        else:
+            qmem = None
+        r_cur = self._pass(tokens, qmem, t0)[-1]
+        selected: list[list[tuple[int, float]]] = [[] for _ in range(L)]
+        retrieved = None
+        if st.slots and m.top_k > 0:
+            if m.query.strategy == "token":
+                queries = [r_cur[j] for j in range(L)]
+            else:
+                wins, rows = self._windows(tokens, r_cur, qmem, t0)
+                queries = [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
+            retrieved = []
+            k = min(m.top_k, len(st.slots))
+            for j in range(L):
+                s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
+                top = sorted(range(len(st.slots)), key=lambda i: -float(s[i].detach()))[:k]
+                if c.alpha_norm == "all":
+                    alpha = {i: torch.softmax(s, 0)[i] for i in top}
+                else:
+                    alpha = dict(zip(top, torch.softmax(s[top], 0)))
+                top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
+                retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])
+                selected[j] = [(st.slots[i].pos, float(alpha[i])) for i in top]
+                for i in top:
+                    st.slots[i].usage += 1
+        hs = self._pass(tokens, st.mem, t0, retrieved)
+        logp = m.crit.log_prob(F.dropout(hs[-1], 0.0))
+        nll = -logp.gather(-1, target[:, None])[:, 0]
+        # 5. renewal: [S; H_t]; the oldest L positions that no longer fit in S become a slot
+        M = 0 if st.mem is None else st.mem[0].shape[0]
+        cat = [torch.cat([st.mem[i], hs[i]]) if M else hs[i] for i in range(n + 1)]
+        over = M + L - m.mem_len
+        if over > 0 and m.n_slot > 0:
+            states = torch.stack([x[:over] for x in cat])
+            key = naive_key(m.summary, states[-1]).detach()
+            if len(st.slots) == m.n_slot:
+                if c.renew == "fifo":
+                    drop = min(range(len(st.slots)), key=lambda i: st.slots[i].pos)
+                else:
+                    drop = min(range(len(st.slots)), key=lambda i: (st.slots[i].usage, st.slots[i].pos))
+                st.slots.pop(drop)
+            st.slots.append(Slot(states.detach(), key, t0 - M))
+        st.mem = [x[x.shape[0] - m.mem_len :].detach() for x in cat] if m.mem_len > 0 else None
+        st.r_prev = r_cur.detach()
+        st.prev_tokens = tokens
+        return nll, selected
