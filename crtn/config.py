@@ -204,14 +204,38 @@ class TrainAppConfig:
 
 
 @dataclass
+class CacheOverrides:
+    """Eval-time overrides of a checkpoint's cache node (null: keep the trained value)."""
+
+    backend: str | None = None
+    faiss_index: str | None = None
+    hnsw_m: int | None = None
+    hnsw_ef_search: int | None = None
+    hnsw_ef_construction: int | None = None
+    alpha_norm: str | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class DataOverrides:
+    """Eval-time overrides of a checkpoint's data node (null: keep the trained value)."""
+
+    root: str | None = None
+    dir: str | None = None
+    path: str | None = None
+    cache_dir: str | None = None
+    eval_batch_size: int | None = None
+
+
+@dataclass
 class EvalAppConfig:
     """Root of ``crtn-eval``'s config (``conf/eval.yaml``)."""
 
     checkpoint: str = MISSING
     splits: list[str] = field(default_factory=lambda: ["valid", "test"])
     eval: EvalConfig = field(default_factory=EvalConfig)
-    cache: Any | None = None  # overrides of the checkpoint's cache node, e.g. cache.backend=faiss
-    data: Any | None = None  # overrides of the checkpoint's data node, e.g. data.root=...
+    cache: CacheOverrides = field(default_factory=CacheOverrides)
+    data: DataOverrides = field(default_factory=DataOverrides)
     device: str = "cpu"
     progress: bool = True
 

@@ -1,0 +1,247 @@
+"""Evaluation: perplexity / bits per character on a split, recall metrics, and ``crtn-eval``.
+
+``evaluate`` runs the model over a whole split in order (Transformer-XL batching,
+memory and cache carried across segments and reset at the start, SPEC §4-5) and
+returns JSON-ready metrics:
+
+- ``loss``: mean NLL in nats per target token; ``ppl = exp(loss)`` for word-level
+  corpora, ``bpc = loss / ln 2`` for character-level ones.
+- synthetic passage-recall corpus (SPEC §4): the same on ``repeat`` tokens (tokens of a
+  copied passage after its first ``repeat_skip``) and ``fresh`` tokens, with next-token
+  accuracy, and the Markov source's own NLL on those tokens for comparison.
+- crtn: ``retrieval``, the histogram of selected-segment distances and mean distance.
+
+``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
+overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from crtn.errors import UserError
+from crtn.model import RetrievalStats, TransformerLM
+
+log = logging.getLogger(__name__)
+
+EVAL_LENGTHS = ("tgt_len", "mem_len", "clamp_len", "same_length", "n_slot", "top_k")
+
+
+@contextmanager
+def eval_lengths(model: TransformerLM, ev: Any) -> Iterator[None]:
+    """Apply the non-null eval-time lengths of ``ev`` (an EvalConfig node) for the block."""
+    saved = {
+        "tgt_len": model.tgt_len,
+        "mem_len": model.mem_len,
+        "clamp_len": model.clamp_len,
+        "same_length": model.same_length,
+        "n_slot": model.n_slot,
+        "top_k": model.top_k,
+    }
+    new = {k: getattr(ev, k) for k in EVAL_LENGTHS if getattr(ev, k, None) is not None}
+    try:
+        model.reset_length(**new)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    try:
+        yield
+    finally:
+        model.reset_length(**saved)
+
+
+def metric_name(level: str) -> str:
+    """``ppl`` for word-level corpora, ``bpc`` for character-level ones (SPEC §5)."""
+    return "bpc" if level == "char" else "ppl"
+
+
+def metric_value(loss: float, level: str) -> float:
+    """exp(loss) (perplexity) or loss / ln 2 (bits per character); loss in nats per token."""
+    if level == "char":
+        return loss / math.log(2)
+    return math.exp(min(loss, 700.0))
+
+
+@torch.no_grad()
+def evaluate(
+    model: TransformerLM,
+    corpus: Any,
+    split: str,
+    batch_size: int,
+    device: torch.device | str,
+    max_step: int | None = None,
+    progress: bool = False,
+    per_token: bool = False,
+) -> dict[str, Any]:
+    """Evaluate ``model`` on a split of ``corpus`` with the model's current lengths.
+
+    Args:
+        model: the language model (its ``tgt_len``, ``mem_len``, ``n_slot``... apply).
+        corpus: a :class:`crtn.data.Corpus`.
+        split: ``train``, ``valid`` or ``test``.
+        batch_size: number of streams.
+        max_step: evaluate only the first ``max_step`` segments (None: all).
+        per_token: also return ``nll_tokens`` / ``target_tokens`` (CPU tensors, stream order
+            per row) for analyses such as frequency buckets.
+
+    Returns:
+        metrics dict (see module docstring); the model is left in eval mode.
+
+    Raises:
+        DataError: the split is too short for one segment with ``batch_size`` streams.
+    """
+    model.eval()
+    it = corpus.iterator(split, batch_size, model.tgt_len, drop_last=False)
+    n_seg = len(it) if max_step is None else min(max_step, len(it))
+    state = model.init_state(it.local_batch_size, device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    labelled = corpus.labels is not None
+    if labelled:
+        eos = corpus.vocab.eos_idx
+        sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
+        skip = corpus.info.get("repeat_skip", 0)
+    stats = RetrievalStats()
+    nll_tokens, target_tokens = [], []
+    t_start = time.perf_counter()
+    bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
+    for batch in it.iterate(0):
+        if batch.index >= n_seg:
+            break
+        batch = batch.to(device)
+        out = model(batch.input, batch.target, state)
+        state = out.state
+        total += out.nll.sum(dtype=torch.float64)
+        count += out.nll.numel()
+        if per_token:
+            nll_tokens.append(out.nll.float().cpu())
+            target_tokens.append(batch.target.cpu())
+        if out.selection is not None:
+            stats.update(out.selection.age, state.cache.seg_len)
+        if labelled:
+            label = batch.label
+            correct = (model.crit.log_prob(out.hidden).argmax(-1) == batch.target).double()
+            masks = {"repeat": label > skip, "fresh": (label == 0) & (batch.target != eos)}
+            for k, m in masks.items():
+                m = m.double()
+                sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - t_start
+    loss = (total / max(count, 1)).item()
+    level = corpus.level
+    result: dict[str, Any] = {
+        "split": split,
+        "loss": loss,
+        metric_name(level): metric_value(loss, level),
+        "tokens": count,
+        "segments": n_seg,
+        "time_s": elapsed,
+        "tokens_per_s": count / elapsed if elapsed > 0 else None,
+        "tgt_len": model.tgt_len,
+        "mem_len": model.mem_len,
+    }
+    if model.name == "crtn":
+        result.update(n_slot=model.n_slot, top_k=model.top_k, retrieval=stats.summary())
+    if labelled:
+        src = corpus.source_nll[split] if corpus.source_nll is not None else None
+        labels_all = corpus.labels[split].long()
+        target_all = corpus.splits[split]
+        for k in ("repeat", "fresh"):
+            s_nll, s_acc, n = sums[k].tolist()
+            entry: dict[str, Any] = {"tokens": int(n)}
+            if n > 0:
+                entry.update(loss=s_nll / n, ppl=math.exp(min(s_nll / n, 700.0)), acc=s_acc / n)
+            if src is not None:
+                m = labels_all > skip if k == "repeat" else (labels_all == 0) & (target_all != eos)
+                m = m & torch.isfinite(src)
+                if m.any():
+                    entry["source_ppl"] = math.exp(src[m].double().mean().item())
+            result[k] = entry
+    if per_token:
+        result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
+        result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
+    return result
+
+
+def format_metrics(m: dict[str, Any]) -> str:
+    """One line: ``test: ppl 123.45 (loss 4.816) | repeat ppl 1.10 acc 0.97 | fresh ppl ...``."""
+    key = "bpc" if "bpc" in m else "ppl"
+    fmt = "{:.4f}" if key == "bpc" else "{:.2f}"
+    parts = [f"{m['split']}: {key} {fmt.format(m[key])} (loss {m['loss']:.4f}, {m['tokens']:,} tokens)"]
+    for k in ("repeat", "fresh"):
+        e = m.get(k)
+        if e and "ppl" in e:
+            src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
+            parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}")
+    return " | ".join(parts)
+
+
+def _jsonable(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
+
+
+def run_eval(cfg: Any) -> dict[str, Any]:
+    """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from crtn.checkpoint import load_checkpoint
+    from crtn.config import TrainAppConfig, validate_eval
+    from crtn.data import load_corpus
+    from crtn.model import build_model
+    from crtn.train import resolve_device
+
+    ckpt = load_checkpoint(cfg.checkpoint)
+    train_cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    for section in ("cache", "data"):
+        overrides = {k: v for k, v in OmegaConf.to_container(cfg[section]).items() if v is not None}
+        train_cfg[section] = OmegaConf.merge(train_cfg[section], overrides)
+    validate_eval(cfg.eval, train_cfg.model)
+    device = resolve_device(cfg.device)
+    corpus = load_corpus(train_cfg.data)
+    model = build_model(train_cfg, len(corpus.vocab)).to(device)
+    model.load_state_dict(ckpt["model"])
+    batch_size = cfg.eval.batch_size or train_cfg.data.eval_batch_size
+    results: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "step": ckpt.get("step")}
+    with eval_lengths(model, cfg.eval):
+        for split in cfg.splits:
+            if split not in corpus.splits:
+                raise UserError(f"splits: {split!r} is not one of {', '.join(corpus.splits)}")
+            m = evaluate(model, corpus, split, batch_size, device, cfg.eval.max_step, cfg.progress)
+            print(format_metrics(m), flush=True)
+            results[split] = _jsonable(m)
+    out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
+    out.write_text(json.dumps(results, indent=2))
+    log.info("wrote %s", out)
+    return results
+
+
+def _task(cfg: Any) -> dict[str, Any]:
+    from crtn.train import report_user_errors
+
+    with report_user_errors("crtn-eval"):
+        return run_eval(cfg)
+
+
+def main() -> None:
+    """Console entry point of ``crtn-eval`` (a Hydra app, config ``conf/eval.yaml``)."""
+    import hydra
+
+    from crtn.config import register_configs
+
+    register_configs()
+    hydra.main(config_path="pkg://crtn.conf", config_name="eval", version_base="1.3")(_task)()
+
+
+if __name__ == "__main__":
+    main()

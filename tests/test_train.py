@@ -1,0 +1,250 @@
+"""crtn-train / crtn-eval through their real entry points (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crtn.checkpoint import load_checkpoint
+
+TINY = [
+    "model.n_layer=1",
+    "model.d_model=16",
+    "model.n_head=2",
+    "model.d_head=8",
+    "model.d_inner=32",
+    "model.tgt_len=8",
+    "model.mem_len=8",
+    "cache.n_slot=4",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    "data.synthetic.vocab_size=24",
+    "data.synthetic.branching=4",
+    "data.synthetic.passage_len=4",
+    "data.synthetic.doc_passages=16",
+    "data.synthetic.min_gap=24",
+    "data.synthetic.max_gap=40",
+    "data.synthetic.train_tokens=4000",
+    "data.synthetic.valid_tokens=1024",
+    "data.synthetic.test_tokens=1024",
+    "train.progress=false",
+]
+
+
+def cli(module: str, args: list[str], cwd: Path, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in records(run_dir) if "train_loss" in r}
+
+
+def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
+    run = tmp_path / "run"
+    p = cli(
+        "crtn.train",
+        [*TINY, "train.max_step=12", "train.log_interval=4", "train.eval_interval=6", f"hydra.run.dir={run}"],
+        tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    for f in (
+        ".hydra/config.yaml",
+        "train.log",
+        "metrics.jsonl",
+        "checkpoints/last.pt",
+        "checkpoints/best.pt",
+        "results.json",
+    ):
+        assert (run / f).is_file(), f
+    res = json.loads((run / "results.json").read_text())
+    assert res["model"] == "crtn" and res["steps"] == 12 and res["params"] > 0 and res["tokens_per_s"] > 0
+    assert {"ppl", "loss", "repeat", "fresh"} <= set(res["test"])
+    assert "final test: ppl" in p.stdout
+    steps = [r["step"] for r in records(run) if "train_loss" in r]
+    assert steps == [4, 8, 12]
+    assert any("valid_ppl" in r for r in records(run))
+    ckpt = load_checkpoint(run / "checkpoints/last.pt")
+    assert ckpt["step"] == 12 and ckpt["vocab"][0] == "<eos>"
+    assert ckpt["states"][0]["cache"]["n_insert"] > 0  # the cache state is saved
+    # crtn-eval on the best checkpoint gives the same test metric as the run reported
+    e = cli(
+        "crtn.evaluate",
+        [
+            f"checkpoint={run / 'checkpoints/best.pt'}",
+            "splits=[test]",
+            "progress=false",
+            f"hydra.run.dir={tmp_path / 'ev'}",
+        ],
+        tmp_path,
+    )
+    assert e.returncode == 0, e.stderr
+    ev = json.loads((tmp_path / "ev/eval.json").read_text())
+    assert ev["test"]["loss"] == pytest.approx(res["test"]["loss"], rel=1e-6)
+    assert "test: ppl" in e.stdout
+
+
+def test_killed_run_resumes_bit_identically(tmp_path):
+    """SIGKILL mid-run, rerun on the same directory: losses equal an uninterrupted run exactly."""
+    args = [
+        *TINY,
+        "model.dropout=0.1",
+        "train.max_step=16",
+        "train.log_interval=1",
+        "train.eval_interval=5",
+        "train.checkpoint_interval=3",
+        "train.eval_max_step=2",
+    ]
+    full = tmp_path / "full"
+    p = cli("crtn.train", [*args, f"hydra.run.dir={full}"], tmp_path)
+    assert p.returncode == 0, p.stderr
+
+    part = tmp_path / "part"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crtn.train", *args, f"hydra.run.dir={part}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = part / "metrics.jsonl"
+        if m.exists() and len(train_losses(part)) >= 8:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(train_losses(part))
+    assert 8 <= killed_at < 16, "the run was not killed mid-way"
+    assert load_checkpoint(part / "checkpoints/last.pt")["step"] < 16
+
+    p = cli("crtn.train", [*args, f"hydra.run.dir={part}"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "resumed from" in (part / "train.log").read_text()
+    assert train_losses(part) == train_losses(full)  # exact float equality, every step
+    a = json.loads((full / "results.json").read_text())["test"]["loss"]
+    b = json.loads((part / "results.json").read_text())["test"]["loss"]
+    assert a == b
+
+
+def test_nonfinite_loss_stops_with_one_line_and_keeps_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    p = cli(
+        "crtn.train",
+        [
+            *TINY,
+            "optim.lr=1e30",
+            "optim.warmup_step=0",
+            "optim.clip=0",
+            "train.max_step=50",
+            "train.log_interval=1",
+            "train.checkpoint_interval=1",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
+    assert p.returncode == 2
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "training loss became" in err[0] and "Traceback" not in p.stderr
+    assert (run / "checkpoints/last.pt").exists()
+    good = load_checkpoint(run / "checkpoints/last.pt")
+    finite = [s for s, v in train_losses(run).items() if v == v and abs(v) != float("inf")]
+    assert good["step"] == max(finite)  # saved before the bad loss, never after
+
+
+BAD = [
+    (["data.name=foo"], "data.name='foo' is not one of"),
+    (["data=ptb", "data.root=/nonexistent/place"], "/nonexistent/place/penn"),
+    (["model.tgt_len=0"], "model.tgt_len=0 must be > 0"),
+    (["model.mem_len=-1"], "model.mem_len=-1 must be >= 0"),
+    (["model.mem_len=12"], "model.mem_len=12 must be a multiple of model.tgt_len=8"),
+    (["query=token", "summary=identity"], "token with last_state|mean|max|token_max"),
+    (["data.synthetic.valid_tokens=6"], "valid"),
+    (["model.n_layer=abc"], "n_layer"),
+    (["model.nonsense=1"], "nonsense"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[b[1][:24] for b in BAD])
+def test_bad_input_gives_one_line_error(tmp_path, args, needle):
+    p = cli("crtn.train", [*TINY, *args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    if args[0].startswith("model.") and "=" in args[0] and needle in ("n_layer", "nonsense"):
+        assert needle in lines[0]  # Hydra's composition error: the first line names the key
+    else:
+        assert len(lines) == 1 and lines[0].startswith("crtn-train: error: "), p.stderr
+        assert needle in lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_text_file_errors_name_the_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello \xff\xfe world\n" * 10)
+    for path, needle in ((empty, "empty"), (bad, "byte")):
+        p = cli(
+            "crtn.train",
+            [*TINY, "data=text", f"data.path={path}", f"hydra.run.dir={tmp_path / 'r'}"],
+            tmp_path,
+        )
+        assert p.returncode == 2 and "Traceback" not in p.stderr
+        assert str(path) in p.stderr and needle in p.stderr.lower()
+
+
+def test_corrupt_or_mismatched_checkpoint_is_refused_and_kept(tmp_path):
+    run = tmp_path / "run"
+    p = cli(
+        "crtn.train", [*TINY, "train.max_step=4", "train.eval_interval=2", f"hydra.run.dir={run}"], tmp_path
+    )
+    assert p.returncode == 0, p.stderr
+    last = run / "checkpoints/last.pt"
+    before = last.read_bytes()
+    # a different model on the same run directory
+    p = cli("crtn.train", [*TINY, "model.n_layer=2", "train.max_step=8", f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 2 and "model.n_layer: 1 -> 2" in p.stderr and "Traceback" not in p.stderr
+    assert last.read_bytes() == before
+    # a truncated file
+    last.write_bytes(before[: len(before) // 3])
+    truncated = last.read_bytes()
+    p = cli("crtn.train", [*TINY, "train.max_step=8", f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 2 and "cannot be read" in p.stderr and str(last) in p.stderr
+    assert last.read_bytes() == truncated
+    e = cli(
+        "crtn.evaluate", [f"checkpoint={tmp_path / 'nope.pt'}", f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path
+    )
+    assert e.returncode == 2 and "does not exist" in e.stderr and "Traceback" not in e.stderr
+
+
+def test_lr_schedule_hand_computed():
+    from crtn.train import lr_factor
+
+    assert lr_factor(0, "cosine", 4, 104, 0.0) == pytest.approx(0.25)
+    assert lr_factor(3, "cosine", 4, 104, 0.0) == pytest.approx(1.0)
+    assert lr_factor(54, "cosine", 4, 104, 0.0) == pytest.approx(0.5)
+    assert lr_factor(104, "cosine", 4, 104, 0.1) == pytest.approx(0.1)
+    assert lr_factor(16, "inv_sqrt", 4, 104, 0.0) == pytest.approx(0.5)
+    assert lr_factor(50, "constant", 4, 104, 0.0) == 1.0
