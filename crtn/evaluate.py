@@ -110,7 +110,16 @@ def evaluate(
         eos = corpus.vocab.eos_idx
         sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
         skip = corpus.info.get("repeat_skip", 0)
+        gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
+        row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
+        where = torch.zeros(
+            4, dtype=torch.float64, device=device
+        )  # repeat tokens: in memory, cached, hit, all
     stats = RetrievalStats()
+    bucket_of = None
+    if corpus.level == "word" and corpus.train_counts is not None:
+        bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
+        bucket_sums = torch.zeros(2, len(FREQ_EDGES) + 1, dtype=torch.float64, device=device)
     nll_tokens, target_tokens = [], []
     t_start = time.perf_counter()
     bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
@@ -122,6 +131,10 @@ def evaluate(
         state = out.state
         total += out.nll.sum(dtype=torch.float64)
         count += out.nll.numel()
+        if bucket_of is not None:
+            b = bucket_of[batch.target].reshape(-1)
+            bucket_sums[0].index_add_(0, b, out.nll.reshape(-1).double())
+            bucket_sums[1].index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
         if per_token:
             nll_tokens.append(out.nll.float().cpu())
             target_tokens.append(batch.target.cpu())
@@ -134,6 +147,8 @@ def evaluate(
             for k, m in masks.items():
                 m = m.double()
                 sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
+            if gap_all is not None:
+                where += _source_location(out, state, batch, gap_all, row_base, masks["repeat"], model)
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t_start
@@ -167,10 +182,67 @@ def evaluate(
                 if m.any():
                     entry["source_ppl"] = math.exp(src[m].double().mean().item())
             result[k] = entry
+        if gap_all is not None and where[3] > 0:
+            mem, cached, hit, n = where.tolist()
+            result["repeat"]["source_in_memory"] = mem / n
+            result["repeat"]["source_in_cache"] = cached / n
+            result["repeat"]["source_retrieved"] = hit / n
+    if level == "word" and corpus.train_counts is not None and count > 0:
+        result["freq_buckets"] = freq_bucket_ppl(bucket_sums)
     if per_token:
         result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
         result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
     return result
+
+
+def _source_location(
+    out: Any,
+    state: Any,
+    batch: Any,
+    gap_all: torch.Tensor,
+    row_base: torch.Tensor,
+    repeat: torch.Tensor,
+    model: TransformerLM,
+) -> torch.Tensor:
+    """Where the token that each repeated target copies lies, for the passage-recall corpus.
+
+    Returns [4] counts over ``repeat`` targets: source within the memory or current
+    segment (reachable without retrieval), source in a cached slot, source in one of the
+    token's retrieved slots, and all repeat targets. Positions are per-stream (SPEC §4).
+    """
+    L = batch.input.shape[1]
+    t0 = batch.index * model.tgt_len
+    j = torch.arange(L, device=repeat.device)
+    gap = gap_all[row_base + t0 + j + 1].long()  # [B, L] gap of each target token
+    src = (t0 + j + 1)[None, :] - gap  # stream position of the copied token
+    in_memory = src >= t0 - min(model.mem_len, t0)  # memory as read during this step
+    counts = [(in_memory & repeat).sum()]
+    cache = state.cache
+    if cache is not None and cache.n_valid > 0 and out.selection is not None:
+        seg = cache.seg_len
+        valid_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
+        # the cache as it was read during this step: renewal is committed at the next step
+        cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
+        pos = t0 - out.selection.age  # [B, L, k]
+        hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+        counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
+    else:
+        counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
+    counts.append(repeat.sum())
+    return torch.stack(counts).double()
+
+
+# Word-frequency buckets of the CRTN paper's analysis (SPEC §5): occurrences in the training split.
+FREQ_EDGES = [100, 1000, 10000]
+FREQ_LABELS = ["<100", "100-1K", "1K-10K", ">10K"]
+
+
+def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Perplexity per training-frequency bucket: sums [2, 4] (NLL sum, token count) -> JSON dict."""
+    out = {}
+    for label, (nll, n) in zip(FREQ_LABELS, sums.t().tolist()):
+        out[label] = {"tokens": int(n), "ppl": math.exp(min(nll / n, 700.0)) if n else None}
+    return out
 
 
 def format_metrics(m: dict[str, Any]) -> str:
@@ -182,7 +254,8 @@ def format_metrics(m: dict[str, Any]) -> str:
         e = m.get(k)
         if e and "ppl" in e:
             src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
-            parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}")
+            hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
+            parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
     return " | ".join(parts)
 
 

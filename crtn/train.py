@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -506,9 +507,39 @@ def _tensorboard(run_dir: Path):
     return SummaryWriter(str(run_dir / "tb"))
 
 
+def write_status(run_dir: Path, state: str, **info: Any) -> None:
+    """``status.json`` of a run: ``running`` (with pid and host), ``done``, ``failed`` (with the error)
+    or ``stopped`` (by a signal); ``crtn-report`` uses it to list jobs that did not finish."""
+    import socket
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"state": state, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **info}
+    tmp = run_dir / ".status.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, run_dir / "status.json")
+
+
 def _task(cfg: Any) -> dict[str, Any]:
-    with report_user_errors("crtn-train"):
-        return run_training(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        write_status(run_dir, "running")
+    try:
+        with report_user_errors("crtn-train"):
+            result = run_training(cfg)
+    except SystemExit as e:
+        if main_rank:
+            write_status(run_dir, "stopped" if e.code == 130 else "failed", exit_code=e.code)
+        raise
+    except BaseException as e:
+        if main_rank:
+            write_status(run_dir, "failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
+        raise
+    if main_rank:
+        write_status(run_dir, "done")
+    return result
 
 
 def main() -> None:

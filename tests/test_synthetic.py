@@ -110,6 +110,17 @@ def test_repeats_are_verbatim_copies_at_an_allowed_gap(concentration):
     assert abs(n_rep / n_eligible - p) < 4 * math.sqrt(p * (1 - p) / n_eligible)
     assert corpus.info["splits"]["train"]["repeated_tokens"] == int((corpus.labels["train"] > 0).sum())
     assert n_rep > 100
+    # repeat_gap points every copied token at the token it copies, and is 0 elsewhere
+    for s in ("train", "valid", "test"):
+        tokens, labels, gaps = (x.numpy() for x in (corpus.splits[s], corpus.labels[s], corpus.repeat_gap[s]))
+        rep = np.flatnonzero(labels > 0)
+        assert (gaps[labels == 0] == 0).all()
+        assert (
+            (gaps[rep] >= cfg.min_gap).all()
+            and (gaps[rep] <= cfg.max_gap).all()
+            and (gaps[rep] % P == 0).all()
+        )
+        assert np.array_equal(tokens[rep], tokens[rep - gaps[rep]])
 
 
 def test_source_nll_against_dense_matrix(corpus):

@@ -102,6 +102,9 @@ class Corpus:
         info: extra facts (JSON-friendly): token counts, cache use, and for the
             synthetic corpus the source's entropies and repeat statistics.
         source: synthetic only, the :class:`crtn.data.synthetic.MarkovSource`.
+        repeat_gap: synthetic only, per split a 1-D ``torch.int32`` tensor: for each
+            token of a copied passage the distance in tokens back to the token it
+            copies, 0 elsewhere (to check what retrieval finds). None otherwise.
     """
 
     name: str
@@ -114,6 +117,7 @@ class Corpus:
     source_nll: dict[str, torch.Tensor] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     source: Any = None
+    repeat_gap: dict[str, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{s}={len(t):,}" for s, t in self.splits.items())

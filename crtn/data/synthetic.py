@@ -165,7 +165,10 @@ def make_source(
 def generate_split(
     c: dict, source: MarkovSource, n_tokens: int, rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
-    """One split: ``{"tokens": int64 [n_tokens], "labels": int16, "nll": float64, "entropy": float64}``.
+    """One split: ``{"tokens": int64 [n_tokens], "labels": int16, "gaps": int32, "nll": float64, "entropy": float64}``.
+
+    ``gaps`` is, for every token of a copied passage, the distance in tokens back to the
+    token it copies (0 for fresh tokens and ``<eos>``).
 
     ``entropy`` is the entropy (nats) of the source's prediction at each token
     (that of the start distribution at a document start; nan at ``<eos>``).
@@ -202,6 +205,7 @@ def generate_split(
             toks[:, col] = np.where(copy, toks[rows, src_col + k], fresh)
 
     labels = np.where(rep[:, :, None], np.arange(1, P + 1)[None, None, :], 0).reshape(n_docs, D * P)
+    gaps = np.repeat(np.where(rep, d * P, 0), P, axis=1)  # tokens back to the copied token
     prev = np.concatenate([np.full((n_docs, 1), -1), toks[:, :-1]], axis=1)
     nll = source.nll(prev.reshape(-1), toks.reshape(-1)).reshape(n_docs, D * P)
     ent_state = source.entropy()
@@ -216,6 +220,7 @@ def generate_split(
     return {
         "tokens": with_eos(toks, EOS_IDX, np.int64),
         "labels": with_eos(labels, 0, np.int16),
+        "gaps": with_eos(gaps, 0, np.int32),
         "nll": with_eos(nll, np.nan, np.float64),
         "entropy": with_eos(entropy, np.nan, np.float64),
     }
@@ -294,6 +299,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         splits=splits,
         train_counts=torch.bincount(splits["train"], minlength=V),
         labels={s: torch.from_numpy(gen[s]["labels"]) for s in SPLITS},
+        repeat_gap={s: torch.from_numpy(gen[s]["gaps"]) for s in SPLITS},
         source_nll={s: torch.from_numpy(gen[s]["nll"].astype(np.float32)) for s in SPLITS},
         info=info,
         source=source,

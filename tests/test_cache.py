@@ -1,0 +1,224 @@
+"""Properties of the key-value cache and retrieval (SPEC §3 steps 2 and 5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from crtn.model import RetrievalStats
+from crtn.model.cache import SegmentCache
+from crtn.model.summary import Summary
+from tests.helpers import tiny_model
+
+V = 11
+
+
+def drive(model, steps, B=2, tokens=None, train=False):
+    """Run ``steps`` segments; returns outputs and the final state."""
+    L = model.tgt_len
+    if tokens is None:
+        tokens = torch.randint(0, V, (B, steps * L + 1))
+    state, outs = None, []
+    for t in range(steps):
+        x, y = tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
+        with torch.set_grad_enabled(train):
+            out = model(x, y, state)
+        outs.append(out)
+        state = out.state
+    return outs, state
+
+
+def test_fifo_order_and_positions_after_many_steps():
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 4, "model.mem_len": 6})
+    L, M, N = 3, 6, 4
+    outs, state = drive(model, 25)
+    cache = state.cache
+    cache.commit()
+    # segments leave S after M/L steps; the cache holds the N most recent of them
+    assert cache.n_insert == 25 - M // L
+    newest_pos = (25 - 1) * L - M
+    expected = {newest_pos - i * L for i in range(N)}
+    for b in range(2):
+        assert set(cache.pos[b].tolist()) == expected
+        # ring order: slot (n_insert - 1) % N holds the newest segment
+        assert cache.pos[b, (cache.n_insert - 1) % N].item() == newest_pos
+    # the last step selected among the N segments cached before its own renewal, oldest first
+    sel = outs[-1].selection
+    t0 = 24 * L
+    pos = t0 - sel.age
+    assert set(pos.unique().tolist()) <= {p - L for p in expected}
+    assert (pos[..., 1:] > pos[..., :-1]).all()
+
+
+def test_cached_values_equal_the_states_that_left_memory():
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 8, "model.mem_len": 3})
+    tokens = torch.randint(0, V, (2, 6 * 3 + 1))
+    txl_states = []
+    state = None
+    for t in range(6):
+        out = model(tokens[:, t * 3 : t * 3 + 3], tokens[:, t * 3 + 1 : t * 3 + 4], state)
+        state = out.state
+        txl_states.append(state.mem.clone())  # S after step t == H_t (mem_len = L)
+    cache = state.cache
+    cache.commit()
+    # the segment of step t entered the cache at step t+1: its states are S after step t
+    for t in range(5):
+        slot = (cache.pos[0] == t * 3).nonzero().item()
+        for b in range(2):
+            torch.testing.assert_close(cache.values[:, b * 8 + slot], txl_states[t][:, b], rtol=0, atol=0)
+
+
+def test_empty_slots_are_never_selected():
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 6, "cache.top_k": 3})
+    outs, _ = drive(model, 8)
+    for t, out in enumerate(outs):
+        n_valid = max(0, t - 1)  # mem_len = L: the first segment enters the cache at step 2
+        if n_valid == 0:
+            assert out.selection is None
+            continue
+        k = min(3, n_valid)
+        assert out.selection.slot.shape[-1] == k
+        assert (out.selection.slot < n_valid).all()
+        # distinct slots per token
+        s = out.selection.slot.sort(-1).values
+        assert (s[..., 1:] != s[..., :-1]).all()
+
+
+@pytest.mark.parametrize("norm", ["all", "topk"])
+def test_alpha_sums_to_one_over_the_slots_it_is_normalised_over(norm):
+    model = tiny_model(
+        V, **{"model.name": "crtn", "cache.n_slot": 5, "cache.top_k": 2, "cache.alpha_norm": norm}
+    )
+    outs, state = drive(model, 9)
+    alpha = outs[-1].selection.alpha  # 5 valid slots, 2 selected
+    if norm == "topk":
+        torch.testing.assert_close(alpha.sum(-1), torch.ones_like(alpha[..., 0]))
+    else:
+        assert (alpha.sum(-1) < 1 - 1e-6).all() and (alpha > 0).all()
+    # with k covering every valid slot, 'all' weights are the whole softmax: they sum to 1
+    model.reset_length(top_k=5)
+    L = model.tgt_len
+    x = torch.randint(0, V, (2, L))
+    out = model(x, x, state)
+    torch.testing.assert_close(out.selection.alpha.sum(-1), torch.ones_like(out.selection.alpha[..., 0]))
+
+
+def test_no_gradient_reaches_cached_states_but_query_pass_and_linear_summary_get_it():
+    def grads(detach):
+        torch.manual_seed(0)
+        model = tiny_model(
+            V,
+            **{
+                "model.name": "crtn",
+                "query.strategy": "linear",
+                "summary.name": "linear",
+                "summary.d_key": 4,
+                "query.detach": detach,
+            },
+        ).train()
+        tokens = torch.randint(0, V, (2, 7 * 3 + 1), generator=torch.Generator().manual_seed(1))
+        outs, state = drive(model, 6, tokens=tokens)
+        model.zero_grad()
+        out = model(tokens[:, 18:21], tokens[:, 19:22], state)
+        out.nll.sum().backward()
+        cache = out.state.cache
+        assert not cache.values.requires_grad and not cache.keys.requires_grad
+        assert not out.state.mem.requires_grad and not out.state.r_prev.requires_grad
+        return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+    live, detached = grads(False), grads(True)
+    for name in ("summary.proj.weight", "query.seq_linear.weight"):
+        assert live[name] is not None and live[name].abs().sum() > 0, name
+        assert detached[name] is None or detached[name].abs().sum() == 0, name
+    # the query pass shares the layer weights: detaching changes their gradient
+    w = "layers.0.dec_attn.qkv_net.weight"
+    assert (live[w] - detached[w]).abs().max() > 1e-8
+
+
+def test_torch_and_faiss_select_the_same_slots_and_weights():
+    torch.manual_seed(3)
+    kw = {"model.name": "crtn", "cache.n_slot": 4, "cache.top_k": 2, "cache.alpha_norm": "topk"}
+    a = tiny_model(V, double=False, **kw)
+    b = tiny_model(V, double=False, **{**kw, "cache.backend": "faiss"})
+    b.load_state_dict(a.state_dict())
+    tokens = torch.randint(0, V, (2, 20 * 3 + 1))
+    oa, _ = drive(a, 20, tokens=tokens)  # 20 steps > 2N insertions: the faiss indexes get rebuilt
+    ob, sb = drive(b, 20, tokens=tokens)
+    compared = 0
+    for x, y in zip(oa, ob):
+        if x.selection is None:
+            assert y.selection is None
+            continue
+        assert torch.equal(x.selection.slot, y.selection.slot)
+        torch.testing.assert_close(x.selection.alpha, y.selection.alpha, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.nll, y.nll, rtol=1e-5, atol=1e-5)
+        compared += 1
+    assert compared >= 15
+    assert sb.cache._faiss.indexes[0].ntotal <= 2 * 4
+
+
+def test_hnsw_recall_is_reported():
+    """Approximate search: recall@k against exact search (reported, not required to be 1)."""
+    rng = np.random.default_rng(0)
+    n, d, k = 2000, 32, 4
+    cache_exact = SegmentCache(n, 1, backend="faiss", faiss_opts={"index": "flat"})
+    cache_hnsw = SegmentCache(n, 1, backend="faiss", faiss_opts={"index": "hnsw", "hnsw_m": 16})
+    summ = Summary("last_state", 1, d)
+    for i in range(n):
+        states = torch.from_numpy(rng.standard_normal((2, 1, 1, d)).astype(np.float32))
+        key = states[-1, :, -1]
+        for c in (cache_exact, cache_hnsw):
+            c.insert(states, key, i, summ)
+    for c in (cache_exact, cache_hnsw):
+        c.commit()
+    q = torch.from_numpy(rng.standard_normal((1, 64, d)).astype(np.float32))
+    exact = cache_exact.select(q, summ, k, "topk", n).slot
+    approx = cache_hnsw.select(q, summ, k, "topk", n).slot
+    hits = sum(len(set(e.tolist()) & set(a.tolist())) for e, a in zip(exact[0], approx[0]))
+    recall = hits / exact.numel()
+    print(f"HNSW recall@{k} vs exact over {n} keys: {recall:.3f}")
+    assert recall > 0.5
+
+
+def test_cache_state_roundtrip_continues_identically():
+    for backend in ("torch", "faiss"):
+        model = tiny_model(
+            V,
+            double=False,
+            **{"model.name": "crtn", "cache.n_slot": 3, "cache.backend": backend, "cache.alpha_norm": "topk"},
+        )
+        tokens = torch.randint(0, V, (2, 12 * 3 + 1))
+        outs, state = drive(model, 6, tokens=tokens)
+        saved = state.state_dict()
+        restored = model.load_state(saved, 2, "cpu")
+        x, y = tokens[:, 18:21], tokens[:, 19:22]
+        with torch.no_grad():
+            o1 = model(x, y, state)
+            o2 = model(x, y, restored)
+        assert torch.equal(o1.nll, o2.nll)
+        assert torch.equal(o1.selection.slot, o2.selection.slot)
+
+
+def test_eval_time_larger_cache_and_k():
+    from omegaconf import OmegaConf
+
+    from crtn.evaluate import eval_lengths
+
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 2, "cache.top_k": 1})
+    ev = OmegaConf.create(
+        {"tgt_len": None, "mem_len": None, "clamp_len": None, "same_length": None, "n_slot": 8, "top_k": 3}
+    )
+    with eval_lengths(model, ev):
+        outs, state = drive(model, 12)
+        assert state.cache.n_slot == 8 and outs[-1].selection.slot.shape[-1] == 3
+    assert model.n_slot == 2 and model.top_k == 1
+
+
+def test_retrieval_stats_histogram():
+    stats = RetrievalStats()
+    stats.update(torch.tensor([[[6, 9]], [[6, 12]]]), seg_len=3)
+    stats.update(torch.tensor([[[15]]]), seg_len=3)
+    s = stats.summary()
+    assert s["distance_hist"] == [0, 0, 2, 1, 1, 1]
+    assert s["mean_distance_tokens"] == pytest.approx((6 + 9 + 6 + 12 + 15) / 5)
