@@ -240,9 +240,18 @@ class EvalAppConfig:
     progress: bool = True
 
 
+def dependency_range(mem_len: int, n_slot: int, tgt_len: int) -> int:
+    """CRTN's dependency range in tokens, m + N L (SPEC §3); the ``${crtn_range:m,N,L}`` resolver."""
+    return int(mem_len) + int(n_slot) * int(tgt_len)
+
+
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("crtn_range"):
+        OmegaConf.register_new_resolver("crtn_range", dependency_range)
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainAppConfig)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -91,6 +92,26 @@ class DistributedContext:
         t = t.detach().clone()
         tdist.all_reduce(t)
         return t / self.world_size
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (a collective: all ranks must call it)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (a collective), so that all ranks stop together."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
 
     def close(self) -> None:
         if self.enabled and tdist.is_initialized():

@@ -53,13 +53,29 @@ class TrainingDiverged(UserError):
 
 @contextmanager
 def report_user_errors(prog: str) -> Iterator[None]:
-    """Print a :class:`UserError` as one line ``PROG: error: MESSAGE`` and exit with status 2."""
+    """Print a :class:`UserError` as one line ``PROG: error: MESSAGE`` and exit with status 2.
+
+    In a Hydra multirun the error is logged and re-raised instead, so that Hydra marks
+    this job failed and the sweep's other jobs still run.
+    """
     try:
         yield
     except UserError as e:
         logging.getLogger(prog).error("%s", e)
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if _in_multirun():
+            raise
         sys.exit(2)
+
+
+def _in_multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # outside a Hydra app
+        return False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,10 +169,12 @@ def run_training(cfg: Any) -> dict[str, Any]:
     from crtn.evaluate import eval_lengths, evaluate, format_metrics, metric_name
 
     validate_train(cfg)
+    dist = DistributedContext.from_env(cfg.train.device)
+    if not dist.is_main:  # rank 0 logs, evaluates and writes; the others only train
+        logging.getLogger().setLevel(logging.WARNING)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
-    dist = DistributedContext.from_env(cfg.train.device)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     _set_seed(cfg.seed)
     config_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -207,16 +225,18 @@ def run_training(cfg: Any) -> dict[str, Any]:
                 f"cannot resume from {str(last)!r}: the config changed ({diff}); "
                 "use a new run directory or the saved config"
             )
-        if "optimizer" not in ckpt or len(ckpt["states"]) != chunks:
+        n_states = len(ckpt.get("states") or [])
+        if "optimizer" not in ckpt or n_states != dist.world_size or len(ckpt["states"][0]) != chunks:
             raise CheckpointError(
-                f"cannot resume from {str(last)!r}: not a training checkpoint of this setup"
+                f"cannot resume from {str(last)!r}: it was written by {n_states} process(es) with "
+                f"another train.batch_chunk, or is not a training checkpoint; resume with the same setup"
             )
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         step, epoch, batch_index = ckpt["step"], ckpt["epoch"], ckpt["batch_index"]
         best_valid, elapsed, tokens_seen = ckpt["best_valid"], ckpt["elapsed"], ckpt["tokens_seen"]
-        states = [model.load_state(sd, chunk_bs, device) for sd in ckpt["states"]]
+        states = [model.load_state(sd, chunk_bs, device) for sd in ckpt["states"][dist.rank]]
         set_rng_state(ckpt["rng"])
         log.info("resumed from %s at step %d (epoch %d)", last, step, epoch)
     if dist.is_main:
@@ -244,7 +264,11 @@ def run_training(cfg: Any) -> dict[str, Any]:
             cfg.model.mem_len + cfg.cache.n_slot * cfg.model.tgt_len,
         )
 
-    def make_checkpoint() -> dict[str, Any]:
+    def make_checkpoint(with_states: bool = True) -> dict[str, Any]:
+        """The checkpoint payload; ``with_states`` gathers every rank's streams (a collective)."""
+        all_states = None
+        if with_states:
+            all_states = dist.gather([_cpu(st.state_dict()) for st in states])
         return {
             "config": config_dict,
             "vocab": corpus.vocab.idx2sym,
@@ -254,7 +278,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
             "step": step,
             "epoch": epoch,
             "batch_index": batch_index,
-            "states": [s.state_dict() for s in states],
+            "states": all_states,
             "rng": rng_state(),
             "best_valid": best_valid,
             "elapsed": elapsed,
@@ -300,11 +324,18 @@ def run_training(cfg: Any) -> dict[str, Any]:
             )
         )
         while step < cfg.train.max_step:
-            if stop.signal is not None:
-                stopped_by = f"signal {signal.Signals(stop.signal).name}"
-                break
-            if cfg.train.max_time is not None and time.perf_counter() - t_start >= cfg.train.max_time:
-                stopped_by = f"train.max_time={cfg.train.max_time}s"
+            out_of_time = (
+                cfg.train.max_time is not None and time.perf_counter() - t_start >= cfg.train.max_time
+            )
+            if dist.any(stop.signal is not None or out_of_time):  # every rank stops at the same step
+                if stop.signal is not None:
+                    stopped_by = f"signal {signal.Signals(stop.signal).name}"
+                else:
+                    stopped_by = (
+                        "a signal on another rank"
+                        if not out_of_time
+                        else f"train.max_time={cfg.train.max_time}s"
+                    )
                 break
             batch = next(batches, None)
             if batch is None:  # end of an epoch: streams start again with empty memory
@@ -376,7 +407,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
                 loss_n = 0
                 tokens_window, t_window = 0, time.perf_counter()
 
-            if step % cfg.train.eval_interval == 0 and step < cfg.train.max_step:
+            if step % cfg.train.eval_interval == 0 and step < cfg.train.max_step and dist.is_main:
                 t_eval = time.perf_counter()
                 m = run_eval("valid", cfg.train.eval_max_step)
                 elapsed = time.perf_counter() - t_start
@@ -391,19 +422,21 @@ def run_training(cfg: Any) -> dict[str, Any]:
                         tb.add_scalar(f"valid/{mname}", m[mname], step)
                 if m["loss"] < best_valid:
                     best_valid = m["loss"]
-                    if dist.is_main:
-                        save_checkpoint(ckpt_dir / "best.pt", make_checkpoint())
+                    save_checkpoint(ckpt_dir / "best.pt", make_checkpoint(with_states=False))
                 tokens_window, t_window = 0, time.perf_counter()
-            if step % ckpt_interval == 0 and dist.is_main:
+            if step % ckpt_interval == 0:
                 _check_finite(loss_sum, loss_n, step, last)
                 elapsed = time.perf_counter() - t_start
-                save_checkpoint(last, make_checkpoint())
+                payload = make_checkpoint()
+                if dist.is_main:
+                    save_checkpoint(last, payload)
 
     elapsed = time.perf_counter() - t_start
     if loss_n:
         _check_finite(loss_sum, loss_n, step, last)
+    payload = make_checkpoint()
     if dist.is_main:
-        save_checkpoint(last, make_checkpoint())
+        save_checkpoint(last, payload)
     if stopped_by and stopped_by.startswith("signal"):
         log.warning("stopped by %s at step %d; checkpoint saved to %s", stopped_by, step, last)
         print(
@@ -414,6 +447,9 @@ def run_training(cfg: Any) -> dict[str, Any]:
     if stopped_by:
         log.info("stopped at step %d by %s", step, stopped_by)
 
+    if not dist.is_main:  # rank 0 evaluates and reports
+        dist.close()
+        return {}
     # final evaluation with the best weights (by validation loss), as in the Transformer-XL release
     final = {}
     best = ckpt_dir / "best.pt"
@@ -456,6 +492,15 @@ def run_training(cfg: Any) -> dict[str, Any]:
         tb.close()
     dist.close()
     return results
+
+
+def _cpu(x: Any) -> Any:
+    """Move the tensors of a (nested) state dict to the CPU, for gathering and saving."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x
 
 
 def _metric(loss: float, level: str) -> float:
