@@ -117,7 +117,7 @@ def evaluate(
         )  # repeat tokens: in memory, cached, hit, all
     stats = RetrievalStats()
     bucket_of = None
-    if corpus.level == "word" and corpus.train_counts is not None:
+    if corpus.level == "word" and corpus.train_counts is not None and corpus.name != "synthetic":
         bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
         bucket_sums = torch.zeros(2, len(FREQ_EDGES) + 1, dtype=torch.float64, device=device)
     nll_tokens, target_tokens = [], []
@@ -187,7 +187,7 @@ def evaluate(
             result["repeat"]["source_in_memory"] = mem / n
             result["repeat"]["source_in_cache"] = cached / n
             result["repeat"]["source_retrieved"] = hit / n
-    if level == "word" and corpus.train_counts is not None and count > 0:
+    if bucket_of is not None and count > 0:
         result["freq_buckets"] = freq_bucket_ppl(bucket_sums)
     if per_token:
         result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
@@ -300,10 +300,9 @@ def run_eval(cfg: Any) -> dict[str, Any]:
 
 
 def _task(cfg: Any) -> dict[str, Any]:
-    from crtn.train import report_user_errors
+    from crtn.train import run_with_status
 
-    with report_user_errors("crtn-eval"):
-        return run_eval(cfg)
+    return run_with_status("crtn-eval", run_eval, cfg)
 
 
 def main() -> None:

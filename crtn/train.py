@@ -29,7 +29,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -564,27 +564,33 @@ def write_status(run_dir: Path, state: str, **info: Any) -> None:
     os.replace(tmp, run_dir / "status.json")
 
 
-def _task(cfg: Any) -> dict[str, Any]:
+def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any) -> Any:
+    """Run ``fn(cfg)`` inside a Hydra job, recording ``status.json`` and printing user errors
+    as one line (see :func:`report_user_errors`). Used by crtn-train and crtn-eval."""
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    if main_rank:
-        write_status(run_dir, "running")
+    status = (lambda state, **kw: write_status(run_dir, state, **kw)) if main_rank else (lambda *a, **k: None)
+    status("running")
     try:
-        with report_user_errors("crtn-train"):
-            result = run_training(cfg)
+        with report_user_errors(prog):
+            try:
+                result = fn(cfg)
+            except BaseException as e:
+                if not isinstance(e, SystemExit):
+                    status("failed", error=f"{type(e).__name__}: {e}".strip().splitlines()[0])
+                raise
     except SystemExit as e:
-        if main_rank:
-            write_status(run_dir, "stopped" if e.code == 130 else "failed", exit_code=e.code)
+        if e.code == 130:
+            status("stopped", exit_code=e.code)
         raise
-    except BaseException as e:
-        if main_rank:
-            write_status(run_dir, "failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
-        raise
-    if main_rank:
-        write_status(run_dir, "done")
+    status("done")
     return result
+
+
+def _task(cfg: Any) -> dict[str, Any]:
+    return run_with_status("crtn-train", run_training, cfg)
 
 
 def main() -> None:
