@@ -310,7 +310,9 @@ def main() -> None:
     import hydra
 
     from crtn.config import register_configs
+    from crtn.utils import tune_allocator
 
+    tune_allocator()
     register_configs()
     hydra.main(config_path="pkg://crtn.conf", config_name="eval", version_base="1.3")(_task)()
 

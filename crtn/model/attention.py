@@ -108,11 +108,69 @@ class CacheContext:
     def seg_len(self) -> int:
         return self.values.shape[2]
 
-    def gather(self, layer: int, dtype: torch.dtype) -> Tensor:
-        """Layer-``layer`` states of each token's retrieved segments: [B, L, k*Ls, d]."""
-        B, L, k = self.index.shape
-        z = self.values[layer].index_select(0, self.index.reshape(-1))  # [B*L*k, Ls, d]
-        return z.to(dtype).view(B, L, k * self.seg_len, -1)
+
+class _RetrievedProduct(torch.autograd.Function):
+    """Batched product of per-token operands with each token's retrieved rows, never materialised.
+
+    For token n, let Z_n = f(values[index[n]]) be its k retrieved segments' rows, [k*Ls, d]
+    (f: cast to the compute dtype, and a parameter-free LayerNorm when ``normalize``).
+
+        mode "scores":  a [T, H, d] -> a_n Z_n^T  [T, H, k*Ls]     (d/da: g_n Z_n)
+        mode "mix":     a [T, H, k*Ls] -> a_n Z_n  [T, H, d]       (d/da: g_n Z_n^T)
+
+    Z is gathered chunk by chunk into a small buffer that stays in cache, and gathered
+    again in backward instead of being saved: a plain gather would allocate and keep
+    T*k*Ls*d values per layer (134 MB at B=16, L=64, k=2, d=256). No gradient flows to
+    the cached values (they are gradient-stopped, SPEC §3).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool, eps: float
+    ) -> Tensor:
+        ctx.values, ctx.mode, ctx.normalize, ctx.eps = values, mode, normalize, eps
+        ctx.save_for_backward(index)
+        T, k = index.shape
+        C, d = k * values.shape[1], values.shape[2]
+        out = a.new_empty(T, a.shape[1], C if mode == "scores" else d)
+        for s, e, z in _retrieved_chunks(values, index, a.dtype, normalize, eps):
+            torch.bmm(a[s:e], z.transpose(1, 2) if mode == "scores" else z, out=out[s:e])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        T = index.shape[0]
+        C, d = index.shape[1] * ctx.values.shape[1], ctx.values.shape[2]
+        out = grad.new_empty(T, grad.shape[1], d if ctx.mode == "scores" else C)
+        for s, e, z in _retrieved_chunks(ctx.values, index, grad.dtype, ctx.normalize, ctx.eps):
+            torch.bmm(grad[s:e], z if ctx.mode == "scores" else z.transpose(1, 2), out=out[s:e])
+        return out, None, None, None, None, None
+
+
+def _retrieved_chunks(values: Tensor, index: Tensor, dtype: torch.dtype, normalize: bool, eps: float):
+    """Yield (start, end, Z[start:end]) with Z [end-start, k*Ls, d] gathered into a reused buffer."""
+    T, k = index.shape
+    Ls, d = values.shape[1], values.shape[2]
+    per_token = k * Ls * d
+    # CPU: ~4 MB chunks stay in cache and reuse one allocation; GPU: one chunk
+    chunk = T if values.is_cuda else max(1, min(T, (1 << 20) // per_token))
+    buf = torch.empty(chunk * k, Ls, d, dtype=values.dtype, device=values.device)
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        z = torch.index_select(values, 0, index[s:e].reshape(-1), out=buf[: (e - s) * k])
+        z = z.view(e - s, k * Ls, d).to(dtype)
+        if normalize:
+            z = F.layer_norm(z, (d,), eps=eps)
+        yield s, e, z
+
+
+def retrieved_product(
+    a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool = False, eps: float = 1e-5
+) -> Tensor:
+    """See :class:`_RetrievedProduct`; ``values`` [B*N, Ls, d], ``index`` [T, k] rows of ``values``."""
+    return _RetrievedProduct.apply(a, values, index, mode, normalize, eps)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -165,6 +223,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         cache: CacheContext | None = None,
         layer: int = 0,
         real_pos: RealPositions | None = None,
+        mem_kv: Tensor | None = None,
     ) -> Tensor:
         """One attention sub-layer (residual and LayerNorm included).
 
@@ -180,6 +239,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             cache: the retrieved segments (CRTN main pass), or None.
             layer: index of this layer's input in ``cache.values``.
             real_pos: position terms of retrieved rows for ``cache.pos=real``.
+            mem_kv: [B, M, 2 H d_h] keys and values of ``mem`` from :meth:`project_memory`,
+                when computed once for several passes over the same memory (CRTN).
 
         Returns:
             [B, L, d] the sub-layer output.
@@ -188,14 +249,17 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
         B, L, _ = h.shape
         H, dh = self.n_head, self.d_head
-        cat = h if mem is None or mem.shape[1] == 0 else torch.cat([mem, h], 1)
-        K = cat.shape[1]
-        x = self.layer_norm(cat) if self.pre_lnorm else cat
-        w_heads = self.qkv_net(x)
-        q, k, v = w_heads.split(H * dh, dim=-1)
-        q = q[:, -L:].reshape(B, L, H, dh)
-        k = k.reshape(B, K, H, dh)
-        v = v.reshape(B, K, H, dh)
+        if mem_kv is None and mem is not None and mem.shape[1] > 0:
+            mem_kv = self.project_memory(mem)
+        # queries only for the current segment; keys and values for memory and segment
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        w_q, w_kv = self.qkv_net.weight.split([H * dh, 2 * H * dh])
+        q = F.linear(x, w_q).view(B, L, H, dh)
+        kv = F.linear(x, w_kv)
+        if mem_kv is not None:
+            kv = torch.cat([mem_kv, kv], 1)
+        K = kv.shape[1]
+        k, v = kv.view(B, K, 2, H, dh).unbind(2)
         r_head_k = self.r_net(pos_emb).view(-1, H, dh)  # [R, H, dh]
 
         rw_q = q + r_w_bias  # [B, L, H, dh]
@@ -221,6 +285,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             return h + attn_out
         return self.layer_norm(h + attn_out)
 
+    def project_memory(self, mem: Tensor) -> Tensor:
+        """Keys and values of memory rows, W_{k,E} and W_v of (LayerNorm'ed) ``mem`` [B, M, d] -> [B, M, 2 H d_h]."""
+        x = self.layer_norm(mem) if self.pre_lnorm else mem
+        return F.linear(x, self.qkv_net.weight[self.n_head * self.d_head :])
+
     def _attend_with_cache(
         self,
         score: Tensor,
@@ -237,14 +306,19 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows."""
         H, dh, d = self.n_head, self.d_head, self.d_model
         w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
-        z = cache.gather(layer, rw_q.dtype)  # [B, L, C, d]
-        if self.pre_lnorm:
-            z = self.layer_norm(z)
-        C = z.shape[2]
-        zf = z.reshape(B * L, C, d)
+        values = cache.values[layer]  # [B*N, Ls, d]
+        index = cache.index.reshape(B * L, cache.k)
+        C = cache.k * cache.seg_len
         # content term (q_j + u).W_{k,E} z: fold the query into model space once per token
         q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, d)
-        ac_c = torch.bmm(q_model, zf.transpose(1, 2)).view(B, L, H, C).transpose(1, 2)
+        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
+            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
+            ac_c = (
+                retrieved_product(q_model * g, values, index, "scores", True, eps) + (q_model @ b)[..., None]
+            )
+        else:
+            ac_c = retrieved_product(q_model, values, index, "scores")
+        ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
         if real_pos is not None:
             bd_c = real_pos.bd(rr_q, self.r_net.weight, cache, layer)  # [B, H, L, C]
         else:
@@ -259,7 +333,14 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if cache.weighted:
             seg = cache.seg_len
             prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
-        mix = torch.bmm(prob_c.reshape(B * L, H, C), zf)  # [B*L, H, d]
+        prob_c = prob_c.reshape(B * L, H, C)
+        if self.pre_lnorm:
+            mix = (
+                retrieved_product(prob_c, values, index, "mix", True, eps) * g
+                + prob_c.sum(-1, keepdim=True) * b
+            )
+        else:
+            mix = retrieved_product(prob_c, values, index, "mix")  # [B*L, H, d]
         out = out + torch.einsum("nhd,hed->nhe", mix, w_v).view(B, L, H, dh)
         return out.reshape(B, L, H * dh)
 
@@ -382,7 +463,8 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         cache: CacheContext | None = None,
         layer: int = 0,
         real_pos: RealPositions | None = None,
+        mem_kv: Tensor | None = None,
     ) -> Tensor:
         """h [B, L, d] -> [B, L, d]; see :meth:`RelPartialLearnableMultiHeadAttn.forward`."""
-        out = self.dec_attn(h, pos_emb, r_w_bias, r_r_bias, attn_mask, mem, cache, layer, real_pos)
+        out = self.dec_attn(h, pos_emb, r_w_bias, r_r_bias, attn_mask, mem, cache, layer, real_pos, mem_kv)
         return self.pos_ff(out)

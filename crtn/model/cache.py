@@ -21,7 +21,9 @@ query exactly as with the ``torch`` backend; alpha is then normalised over the t
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,7 @@ class SegmentCache:
         self._key_view: str | None = None
         self._faiss: _FaissRows | None = None
         self._pending: tuple | None = None
+        self.select_seconds = 0.0  # wall time spent in select() (host time; faiss syncs anyway)
 
     # ------------------------------------------------------------------ storage
     @property
@@ -193,7 +196,14 @@ class SegmentCache:
 
     # ---------------------------------------------------------------- retrieval
     def select(
-        self, query: Tensor, summary: Summary, top_k: int, alpha_norm: str, t0: int, count: bool = True
+        self,
+        query: Tensor | None,
+        summary: Summary,
+        top_k: int,
+        alpha_norm: str,
+        t0: int,
+        count: bool = True,
+        score_fn: Callable[[Tensor], Tensor] | None = None,
     ) -> Selection:
         """Top-k slots and weights for every token (SPEC §3 step 2).
 
@@ -205,6 +215,9 @@ class SegmentCache:
                 the faiss backend, which always normalises over the top-k.
             t0: stream position of the current segment's first token.
             count: add the selections to ``usage`` (False: leave the cache untouched).
+            score_fn: keys [B, n_valid, ...] -> scores [B, L, n_valid], replacing
+                ``summary.score(query, keys)`` for the torch backend (a strategy's fast path);
+                ``query`` may then be None.
 
         Returns:
             a :class:`Selection`.
@@ -212,21 +225,24 @@ class SegmentCache:
         Raises:
             ValueError: if the cache is empty.
         """
+        t_start = time.perf_counter()
         nv = self.n_valid
         if nv == 0:
             raise ValueError("select() on an empty cache")
         assert self.pos is not None and self.usage is not None
         k = min(top_k, nv)
-        B, L = query.shape[:2]
         if self.backend == "faiss":
-            assert self._faiss is not None
+            assert self._faiss is not None and query is not None
+            B, L = query.shape[:2]
             q_np = query.detach().reshape(B, L, -1).float().cpu().numpy()
             slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
             keys = self.valid_keys()
             picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
             alpha = torch.softmax(summary.score_selected(query, picked), -1)
         else:
-            scores = summary.score(query, self.valid_keys())  # [B, L, nv]
+            keys = self.valid_keys()
+            scores = score_fn(keys) if score_fn is not None else summary.score(query, keys)  # [B, L, nv]
+            B, L = scores.shape[:2]
             top_s, slot = scores.topk(k, dim=-1)
             if alpha_norm == "all":
                 alpha = torch.softmax(scores, -1).gather(-1, slot)
@@ -238,6 +254,7 @@ class SegmentCache:
         if count:
             self.usage.scatter_add_(1, slot.reshape(B, -1), torch.ones_like(slot).reshape(B, -1))
         flat = slot + (torch.arange(B, device=slot.device) * self.n_slot)[:, None, None]
+        self.select_seconds += time.perf_counter() - t_start
         return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
 
     # ------------------------------------------------------------ persistence

@@ -27,6 +27,7 @@ reported by the benchmark.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -168,6 +169,25 @@ class QueryBuilder(nn.Module):
         else:
             raise ValueError(f"query={s} has no windows")
         return w, torch.full((w.shape[1],), L - 1, dtype=torch.long, device=w.device)
+
+    def fast_scores(self, summary: Summary, r_cur: Tensor | None) -> Callable[[Tensor], Tensor] | None:
+        """A function keys -> scores [B, L', n] that avoids building windows, when one exists.
+
+        ``last_l`` with ``identity`` keys: W_j = Masked_j(R_cur), so
+        <flat(W_j), flat(K_i)> = sum_{r<=j} <R_cur[r], K_i[r]>, a cumulative sum of per-row
+        dot products: O(B L n d) instead of O(B L n L d), and no [B, L, L, d] windows.
+        Returns None for the other pairings (the caller builds queries).
+        """
+        if self.strategy != "last_l" or summary.name != "identity" or r_cur is None:
+            return None
+        B, Lq, d = r_cur.shape
+        scale = 1.0 / math.sqrt(summary.d_key)
+
+        def scores(keys: Tensor) -> Tensor:  # keys [B, n, L*d]
+            rows = keys.view(B, keys.shape[1], -1, d)[:, :, :Lq].to(r_cur.dtype)
+            return torch.einsum("brd,bnrd->brn", r_cur, rows).cumsum(1) * scale
+
+        return scores
 
     def forward(
         self,

@@ -262,6 +262,7 @@ class TransformerLM(nn.Module):
         cache: CacheContext | None = None,
         real_pos: RealPositions | None = None,
         extra_mask: Tensor | None = None,
+        mem_kv: list[Tensor] | None = None,
     ) -> tuple[list[Tensor], Tensor]:
         """Run the layers over one segment.
 
@@ -272,6 +273,8 @@ class TransformerLM(nn.Module):
             real_pos: position terms of retrieved rows for ``cache.pos=real``.
             extra_mask: bool [B, 1, 1, M+L], True hides a memory/segment position from
                 every query of that sequence (``fixed_length_2``).
+            mem_kv: per layer, the keys and values of ``mem`` (:meth:`memory_kv`), shared by
+                passes over the same memory.
 
         Returns:
             (hids, out): hids = n+1 tensors [B, L, d], the states at layers 0..n; out =
@@ -293,9 +296,21 @@ class TransformerLM(nn.Module):
         r_w = None if self.untie_r else self.r_w_bias
         r_r = None if self.untie_r else self.r_r_bias
         for i, layer in enumerate(self.layers):
-            h = layer(h, pos_emb, r_w, r_r, mask, None if M == 0 else mem[i], cache, i, real_pos)
+            kv = None if mem_kv is None else mem_kv[i]
+            h = layer(h, pos_emb, r_w, r_r, mask, None if M == 0 else mem[i], cache, i, real_pos, kv)
             hids.append(h)
         return hids, self.drop(h)
+
+    def memory_kv(self, mem: Tensor | None) -> list[Tensor] | None:
+        """Keys and values of the memory at every layer, [B, M, 2 H d_h] each (None without memory).
+
+        CRTN's query pass and main pass attend over the same memory S: projecting it once
+        per step and sharing it saves one of the two projections (gradients from both
+        passes accumulate into W_{k,E} and W_v as before).
+        """
+        if mem is None or mem.shape[2] == 0:
+            return None
+        return [layer.dec_attn.project_memory(mem[i]) for i, layer in enumerate(self.layers)]
 
     def _append(self, mem: Tensor | None, hids: list[Tensor]) -> tuple[Tensor, Tensor | None]:
         """[S; H_t] at every layer, [n+1, B, M+L, d] (detached), and the new S (last mem_len)."""
@@ -360,6 +375,7 @@ class TransformerLM(nn.Module):
         seg = cache.seg_len if cache.values is not None else self.tgt_len
         qb = self.query
         ctx, real_pos, selection, r_cur = None, None, None, None
+        mem_kv = self.memory_kv(state.mem)
         if nv > 0 or qb.needs_r_prev:
             grad = (
                 torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted and not self.query_cfg.detach
@@ -367,7 +383,8 @@ class TransformerLM(nn.Module):
             with torch.set_grad_enabled(grad):
                 qmem = self._query_memory(state, seg)
                 if qb.needs_query_pass:
-                    r_cur = self.core(tokens, qmem)[0][-1]  # R_cur, [B, L, d]
+                    shared = mem_kv if qmem is state.mem else None
+                    r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
                 if nv > 0:
                     r_prev = state.r_prev
                     if r_prev is None and qb.needs_r_prev:
@@ -376,9 +393,20 @@ class TransformerLM(nn.Module):
                     if prev_tokens is None:
                         prev_tokens = torch.zeros(B, seg, dtype=tokens.dtype, device=tokens.device)
                     prev_states = None if qmem is None else qmem[:, :, -seg:]
-                    q = qb(self.summary, r_prev, r_cur, self._core_top, tokens, prev_tokens, prev_states)
+                    fast = qb.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
+                    q = (
+                        None
+                        if fast
+                        else qb(self.summary, r_prev, r_cur, self._core_top, tokens, prev_tokens, prev_states)
+                    )
                     selection = cache.select(
-                        q, self.summary, self.top_k, self.cache_cfg.alpha_norm, t0, count=update
+                        q,
+                        self.summary,
+                        self.top_k,
+                        self.cache_cfg.alpha_norm,
+                        t0,
+                        count=update,
+                        score_fn=fast,
                     )
             if selection is not None:
                 ctx = CacheContext(
@@ -390,7 +418,7 @@ class TransformerLM(nn.Module):
                 )
                 if self.cache_cfg.pos == "real":
                     real_pos = RealPositions(self.pos_emb, selection.age, seg, L, self.clamp_len, self.dtype)
-        hids, out = self.core(tokens, state.mem, ctx, real_pos)
+        hids, out = self.core(tokens, state.mem, ctx, real_pos, mem_kv=mem_kv)
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
