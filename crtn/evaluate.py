@@ -263,16 +263,19 @@ def _jsonable(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
 
 
-def run_eval(cfg: Any) -> dict[str, Any]:
-    """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
-    from hydra.core.hydra_config import HydraConfig
+def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
+    """Read ``cfg.checkpoint`` and apply the app's non-null ``cache.*``/``data.*`` overrides.
+
+    Used by crtn-eval and crtn-generate. Returns (checkpoint dict, the checkpoint's training
+    config as a typed node with the overrides merged in).
+
+    Raises:
+        CheckpointError: unreadable checkpoint. ConfigError: invalid ``eval.*`` values.
+    """
     from omegaconf import OmegaConf
 
     from crtn.checkpoint import load_checkpoint
     from crtn.config import TrainAppConfig, validate_eval
-    from crtn.data import load_corpus
-    from crtn.model import build_model
-    from crtn.train import resolve_device
 
     ckpt = load_checkpoint(cfg.checkpoint)
     train_cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
@@ -280,6 +283,18 @@ def run_eval(cfg: Any) -> dict[str, Any]:
         overrides = {k: v for k, v in OmegaConf.to_container(cfg[section]).items() if v is not None}
         train_cfg[section] = OmegaConf.merge(train_cfg[section], overrides)
     validate_eval(cfg.eval, train_cfg.model)
+    return ckpt, train_cfg
+
+
+def run_eval(cfg: Any) -> dict[str, Any]:
+    """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from crtn.data import load_corpus
+    from crtn.model import build_model
+    from crtn.train import resolve_device
+
+    ckpt, train_cfg = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
     corpus = load_corpus(train_cfg.data)
     model = build_model(train_cfg, len(corpus.vocab)).to(device)

@@ -274,9 +274,7 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf
 
-    from crtn.checkpoint import load_checkpoint
-    from crtn.config import TrainAppConfig, validate_eval
-    from crtn.evaluate import eval_lengths
+    from crtn.evaluate import eval_lengths, load_with_overrides
     from crtn.model import build_model
     from crtn.train import resolve_device
 
@@ -288,12 +286,7 @@ def run_generate(cfg: Any) -> dict[str, Any]:
         raise UserError(f"temperature={cfg.temperature} must be >= 0 (0: greedy)")
     if cfg.top_k < 0:
         raise UserError(f"top_k={cfg.top_k} must be >= 0 (0: no top-k filtering)")
-    ckpt = load_checkpoint(cfg.checkpoint)
-    train_cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
-    for section in ("cache", "data"):
-        overrides = {k: v for k, v in OmegaConf.to_container(cfg[section]).items() if v is not None}
-        train_cfg[section] = OmegaConf.merge(train_cfg[section], overrides)
-    validate_eval(cfg.eval, train_cfg.model)
+    ckpt, train_cfg = load_with_overrides(cfg)
 
     symbols = ckpt.get("vocab")
     if symbols is None:

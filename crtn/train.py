@@ -293,6 +293,27 @@ def run_training(cfg: Any) -> dict[str, Any]:
         return m
 
     tb = _tensorboard(run_dir) if cfg.train.tensorboard and dist.is_main else None
+    last_validated = -1
+
+    def validate() -> None:
+        """Evaluate on valid, record it, and save best.pt when it improves (rank 0)."""
+        nonlocal best_valid, elapsed, last_validated
+        t_eval = time.perf_counter()
+        m = run_eval("valid", cfg.train.eval_max_step)
+        elapsed = time.perf_counter() - t_start
+        rec = {"step": step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": elapsed}
+        for k in ("repeat", "fresh"):
+            if k in m and "acc" in m[k]:
+                rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
+        log.info("eval at step %d: %s (%.1fs)", step, format_metrics(m), time.perf_counter() - t_eval)
+        _append_jsonl(metrics_path, rec)
+        if tb:
+            tb.add_scalar(f"valid/{mname}", m[mname], step)
+        if m["loss"] < best_valid:
+            best_valid = m["loss"]
+            save_checkpoint(ckpt_dir / "best.pt", make_checkpoint(with_states=False))
+        last_validated = step
+
     stop = _Stop()
     ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
     amp = (
@@ -408,21 +429,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
                 tokens_window, t_window = 0, time.perf_counter()
 
             if step % cfg.train.eval_interval == 0 and step < cfg.train.max_step and dist.is_main:
-                t_eval = time.perf_counter()
-                m = run_eval("valid", cfg.train.eval_max_step)
-                elapsed = time.perf_counter() - t_start
-                rec = {"step": step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": elapsed}
-                for k in ("repeat", "fresh"):
-                    if k in m and "acc" in m[k]:
-                        rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
-                log.info("eval at step %d: %s (%.1fs)", step, format_metrics(m), time.perf_counter() - t_eval)
-                if dist.is_main:
-                    _append_jsonl(metrics_path, rec)
-                    if tb:
-                        tb.add_scalar(f"valid/{mname}", m[mname], step)
-                if m["loss"] < best_valid:
-                    best_valid = m["loss"]
-                    save_checkpoint(ckpt_dir / "best.pt", make_checkpoint(with_states=False))
+                validate()
                 tokens_window, t_window = 0, time.perf_counter()
             if step % ckpt_interval == 0:
                 _check_finite(loss_sum, loss_n, step, last)
@@ -450,6 +457,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
     if not dist.is_main:  # rank 0 evaluates and reports
         dist.close()
         return {}
+    if last_validated != step and step > 0:  # the final weights compete for best.pt too
+        validate()
     # final evaluation with the best weights (by validation loss), as in the Transformer-XL release
     final = {}
     best = ckpt_dir / "best.pt"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -46,3 +50,44 @@ def tiny_model(n_token: int = 11, double: bool = True, **overrides: Any) -> Tran
             if name.endswith("bias") or "layer_norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
+
+
+# crtn-train overrides for a tiny model on a tiny synthetic corpus (CLI tests: a few seconds)
+TINY_RUN = [
+    "model.n_layer=1",
+    "model.d_model=16",
+    "model.n_head=2",
+    "model.d_head=8",
+    "model.d_inner=32",
+    "model.tgt_len=8",
+    "model.mem_len=8",
+    "cache.n_slot=4",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    "data.synthetic.vocab_size=24",
+    "data.synthetic.branching=4",
+    "data.synthetic.passage_len=4",
+    "data.synthetic.doc_passages=16",
+    "data.synthetic.min_gap=24",
+    "data.synthetic.max_gap=40",
+    "data.synthetic.train_tokens=4000",
+    "data.synthetic.valid_tokens=1024",
+    "data.synthetic.test_tokens=1024",
+    "train.progress=false",
+]
+
+
+def cli(
+    module: str, args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None, **kw: Any
+) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` (a crtn entry point) in ``cwd``; one thread, Agg plots."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )

@@ -45,16 +45,6 @@ from crtn.convert import ConversionError, convert, infer_hparams, read_source, r
 from crtn.model import build_model
 from crtn.model.adaptive import flip_cluster_order
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is fastest (two threads cost ~100x on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 V, B, L, MEM = 50, 2, 8, 8  # vocabulary, streams, segment length, memory
 TINY = dict(d_model=16, n_head=2, d_head=8, d_inner=32, n_layer=2, mem_len=MEM, dropout=0.0, dropatt=0.0)
 
@@ -106,21 +96,6 @@ def make_hf(seed: int = 0, vocab_size: int = V, **overrides) -> TransfoXLLMHeadM
             else:
                 p.copy_(0.3 * torch.randn_like(p))
     return model.eval()
-
-
-def cli(
-    module: str, args: list[str], cwd: Path, env_extra: dict | None = None, **kw
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        **kw,
-    )
 
 
 def popen(module: str, args: list[str], cwd: Path, env_extra: dict | None = None) -> subprocess.Popen:

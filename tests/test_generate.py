@@ -17,16 +17,6 @@ from crtn.errors import UserError
 from crtn.generate import IncrementalLM, decode, encode_prompt, generate, sample_next, text_mode
 from tests.helpers import tiny_cfg, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is fastest (two threads cost ~100x on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 N_TOKEN = 11
 PROMPT = [1, 4, 2, 7]  # 4 tokens: one full segment of 3 and a partial one
 MODELS = {

@@ -40,7 +40,7 @@ def test_launcher_runs_one_job_per_combination(tmp_path, launcher):
     found = jobs(sweep)
     assert list(found) == ["0", "1"]
     assert [j["config"]["query"]["strategy"] for j in found.values()] == ["token", "last_l"]
-    assert [j["config"]["summary"]["name"] for j in found.values()] == ["last_state", "identity"]
+    assert [j["config"]["summary"]["name"] for j in found.values()] == ["token_max", "identity"]
     for j in found.values():
         assert j["status"]["state"] == "done" and j["results"]["steps"] == 4
 

@@ -22,47 +22,17 @@ import yaml
 
 from crtn.errors import UserError
 from crtn.report import load_jobs, main, write_report
+from tests.helpers import TINY_RUN, cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 TINY = [
-    "model.n_layer=1",
-    "model.d_model=16",
-    "model.n_head=2",
-    "model.d_head=8",
-    "model.d_inner=32",
-    "model.tgt_len=8",
-    "model.mem_len=8",
-    "cache.n_slot=4",
-    "data.batch_size=4",
-    "data.eval_batch_size=4",
-    "data.synthetic.vocab_size=24",
-    "data.synthetic.branching=4",
-    "data.synthetic.passage_len=4",
-    "data.synthetic.doc_passages=16",
-    "data.synthetic.min_gap=24",
-    "data.synthetic.max_gap=40",
-    "data.synthetic.train_tokens=4000",
-    "data.synthetic.valid_tokens=1024",
-    "data.synthetic.test_tokens=1024",
+    *TINY_RUN,
     "data.synthetic.repeat_skip=1",  # passages of 4 tokens: measure repeats from the 2nd token
     "train.max_step=6",
     "train.eval_interval=3",
     "train.log_interval=3",
-    "train.progress=false",
 ]
-
-
-def cli(module: str, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

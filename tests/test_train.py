@@ -13,42 +13,9 @@ from pathlib import Path
 import pytest
 
 from crtn.checkpoint import load_checkpoint
+from tests.helpers import TINY_RUN, cli
 
-TINY = [
-    "model.n_layer=1",
-    "model.d_model=16",
-    "model.n_head=2",
-    "model.d_head=8",
-    "model.d_inner=32",
-    "model.tgt_len=8",
-    "model.mem_len=8",
-    "cache.n_slot=4",
-    "data.batch_size=4",
-    "data.eval_batch_size=4",
-    "data.synthetic.vocab_size=24",
-    "data.synthetic.branching=4",
-    "data.synthetic.passage_len=4",
-    "data.synthetic.doc_passages=16",
-    "data.synthetic.min_gap=24",
-    "data.synthetic.max_gap=40",
-    "data.synthetic.train_tokens=4000",
-    "data.synthetic.valid_tokens=1024",
-    "data.synthetic.test_tokens=1024",
-    "train.progress=false",
-]
-
-
-def cli(module: str, args: list[str], cwd: Path, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+TINY = TINY_RUN
 
 
 def records(run_dir: Path) -> list[dict]:
