@@ -605,7 +605,7 @@ def _fmt_cell(col: str, v: Any) -> str:
         return _duration(v)
     if col == "tokens_per_s":
         return f"{v:,.0f}"
-    if col == "params":
+    if col in ("params", "steps", "step", "range_tokens"):
         return f"{v:,}"
     return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -734,6 +734,19 @@ def _value_axis(ax, values: list[Any], log_ok: bool, bars: bool = False) -> bool
     return False
 
 
+def _spaced(values: list[float], gap: float) -> list[float]:
+    """Sorted ``values`` without those closer than ``gap`` to the previous one kept (the last
+    value wins over its neighbour, so the end of the longest run keeps its label)."""
+    kept: list[float] = []
+    for v in values:
+        if kept and v - kept[-1] < gap:
+            if v == values[-1]:
+                kept[-1] = v
+            continue
+        kept.append(v)
+    return kept
+
+
 def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str, Any]) -> bool:
     """Validation metric vs training step (left) and vs elapsed training time (right)."""
     from matplotlib import ticker
@@ -769,8 +782,8 @@ def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str,
             ax.set_ylabel(f"validation {METRIC_LABEL[m]}" + (", log scale" if log_y else ""))
             if col == 0:
                 ax.set_xlabel("training step (optimizer updates)")
-                if len(steps) <= 12:  # few evaluations: a tick at each
-                    ax.set_xticks(steps)
+                if len(steps) <= 12:  # few evaluations: a tick at each that has room for its label
+                    ax.set_xticks(_spaced(steps, 0.04 * (steps[-1] - steps[0])))
                 else:
                     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
             else:

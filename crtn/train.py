@@ -294,10 +294,11 @@ def run_training(cfg: Any) -> dict[str, Any]:
 
     tb = _tensorboard(run_dir) if cfg.train.tensorboard and dist.is_main else None
     last_validated = -1
+    best_metrics: dict[str, Any] | None = None  # full-split validation of best.pt, this process
 
     def validate() -> None:
         """Evaluate on valid, record it, and save best.pt when it improves (rank 0)."""
-        nonlocal best_valid, elapsed, last_validated
+        nonlocal best_valid, elapsed, last_validated, best_metrics
         t_eval = time.perf_counter()
         m = run_eval("valid", cfg.train.eval_max_step)
         elapsed = time.perf_counter() - t_start
@@ -312,6 +313,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
         if m["loss"] < best_valid:
             best_valid = m["loss"]
             save_checkpoint(ckpt_dir / "best.pt", make_checkpoint(with_states=False))
+            best_metrics = m if cfg.train.eval_max_step is None else None
         last_validated = step
 
     stop = _Stop()
@@ -465,7 +467,8 @@ def run_training(cfg: Any) -> dict[str, Any]:
     if best.exists():
         model.load_state_dict(load_checkpoint(best, map_location=device)["model"])
     for split in ("valid", "test"):
-        final[split] = run_eval(split, None)
+        # best.pt's full validation from this process is exact (same weights, fresh memory)
+        final[split] = best_metrics if split == "valid" and best_metrics is not None else run_eval(split, None)
         log.info("final %s", format_metrics(final[split]))
     train_time = elapsed
     results = {

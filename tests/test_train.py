@@ -53,12 +53,13 @@ def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
     ckpt = load_checkpoint(run / "checkpoints/last.pt")
     assert ckpt["step"] == 12 and ckpt["vocab"][0] == "<eos>"
     assert ckpt["states"][0][0]["cache"]["n_insert"] > 0  # rank 0, chunk 0: the cache state is saved
-    # crtn-eval on the best checkpoint gives the same test metric as the run reported
+    # crtn-eval on the best checkpoint gives the valid and test metrics the run reported (the
+    # run reuses best.pt's validation from training instead of repeating it)
     e = cli(
         "crtn.evaluate",
         [
             f"checkpoint={run / 'checkpoints/best.pt'}",
-            "splits=[test]",
+            "splits=[valid,test]",
             "progress=false",
             f"hydra.run.dir={tmp_path / 'ev'}",
         ],
@@ -66,7 +67,8 @@ def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
     )
     assert e.returncode == 0, e.stderr
     ev = json.loads((tmp_path / "ev/eval.json").read_text())
-    assert ev["test"]["loss"] == pytest.approx(res["test"]["loss"], rel=1e-6)
+    for split in ("valid", "test"):
+        assert ev[split]["loss"] == pytest.approx(res[split]["loss"], rel=1e-6)
     assert "test: ppl" in e.stdout
 
 
