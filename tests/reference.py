@@ -294,7 +294,7 @@ class NaiveCRTN:
                     alpha = dict(zip(top, torch.softmax(s[top], 0)))
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
                 retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])
-                selected[j] = [(st.slots[i].pos, float(alpha[i])) for i in top]
+                selected[j] = [(st.slots[i].pos, float(alpha[i].detach())) for i in top]
                 for i in top:
                     st.slots[i].usage += 1
         hs = self._pass(tokens, st.mem, t0, retrieved)
