@@ -658,7 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = tuple(x for x in a.strategies.split(",") if x)
         unknown = [x for x in chosen if x not in STRATEGY_DEFAULTS]
         if unknown:
-            p.error(f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGY_DEFAULTS)}")
+            p.error(
+                f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGY_DEFAULTS)}"
+            )
         sizes.strategies = chosen
     t0 = time.perf_counter()
 

@@ -468,7 +468,9 @@ def run_training(cfg: Any) -> dict[str, Any]:
         model.load_state_dict(load_checkpoint(best, map_location=device)["model"])
     for split in ("valid", "test"):
         # best.pt's full validation from this process is exact (same weights, fresh memory)
-        final[split] = best_metrics if split == "valid" and best_metrics is not None else run_eval(split, None)
+        final[split] = (
+            best_metrics if split == "valid" and best_metrics is not None else run_eval(split, None)
+        )
         log.info("final %s", format_metrics(final[split]))
     train_time = elapsed
     results = {

@@ -243,3 +243,35 @@ def test_retrieved_product_matches_explicit_gather_and_gradcheck(mode, normalize
     ref = a @ z.transpose(1, 2) if mode == "scores" else a @ z
     torch.testing.assert_close(retrieved_product(a, values, index, mode, normalize), ref, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: retrieved_product(x, values, index, mode, normalize), (a,))
+
+
+def test_float16_cache_values_stay_within_1e3_of_float32():
+    """Half-precision cached values (cache.dtype=float16) change the per-token NLL of a float32
+    model by less than 1e-3 over many segments with a full cache (issue: memory at eval)."""
+    from tests.test_transformer import _segments
+
+    V, L = 32, 4
+    overrides = {
+        "model.name": "crtn",
+        "model.d_model": 32,
+        "model.d_head": 8,
+        "model.d_inner": 64,
+        "model.tgt_len": L,
+        "model.mem_len": L,
+        "cache.n_slot": 6,
+        "model.init_std": 0.05,
+        "model.proj_init_std": 0.05,
+    }
+    torch.manual_seed(0)
+    ref = tiny_model(V, double=False, **overrides)
+    half = tiny_model(V, double=False, **overrides, **{"cache.dtype": "float16"})
+    half.load_state_dict(ref.state_dict())
+    tokens = torch.randint(0, V, (3, 20 * L + 1))
+    with torch.no_grad():
+        nll32, st32 = _segments(ref, tokens, L)
+        nll16, st16 = _segments(half, tokens, L)
+    assert st16.cache.values.dtype == torch.float16 and st32.cache.values.dtype == torch.float32
+    assert bool(st32.cache.pos.ge(0).all())  # the cache is full: the comparison covers retrieval
+    diff = (nll16 - nll32).abs().max().item()
+    print(f"max |NLL(float16 cache) - NLL(float32 cache)| = {diff:.2e}")
+    assert 0 < diff < 1e-3, diff
