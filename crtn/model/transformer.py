@@ -394,11 +394,9 @@ class TransformerLM(nn.Module):
                         prev_tokens = torch.zeros(B, seg, dtype=tokens.dtype, device=tokens.device)
                     prev_states = None if qmem is None else qmem[:, :, -seg:]
                     fast = qb.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
-                    q = (
-                        None
-                        if fast
-                        else qb(self.summary, r_prev, r_cur, self._core_top, tokens, prev_tokens, prev_states)
-                    )
+                    q = None
+                    if fast is None:  # build the queries; the fast path scores keys directly
+                        q = qb(self.summary, r_prev, r_cur, self._core_top, tokens, prev_tokens, prev_states)
                     selection = cache.select(
                         q,
                         self.summary,
