@@ -169,7 +169,19 @@ def _retrieved_chunks(values: Tensor, index: Tensor, dtype: torch.dtype, normali
 def retrieved_product(
     a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool = False, eps: float = 1e-5
 ) -> Tensor:
-    """See :class:`_RetrievedProduct`; ``values`` [B*N, Ls, d], ``index`` [T, k] rows of ``values``."""
+    """Per-token products with the retrieved segments' rows (SPEC §3 step 3, the cache part of
+    the main pass), computed without materialising the gathered rows; see :class:`_RetrievedProduct`.
+
+    Args:
+        a: [T, H, d] (``mode="scores"``) or [T, H, k*Ls] (``mode="mix"``), one row per token.
+        values: [B*N, Ls, d] one layer of the cache (gradient-stopped; cast to ``a``'s dtype).
+        index: [T, k] long, rows of ``values`` retrieved by each token.
+        mode: ``"scores"`` -> [T, H, k*Ls]; ``"mix"`` -> [T, H, d].
+        normalize: apply a parameter-free LayerNorm (``eps``) to the rows first (pre-LN).
+
+    Raises:
+        RuntimeError: from ``torch.bmm`` when the shapes above do not hold.
+    """
     return _RetrievedProduct.apply(a, values, index, mode, normalize, eps)
 
 
