@@ -1,0 +1,59 @@
+"""tools/recall_diagnosis.py against crtn-eval's repeat metrics on the same checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY_RUN, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("recall_diagnosis", ROOT / "tools/recall_diagnosis.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recall_diagnosis_counts_match_evaluation(tmp_path):
+    """Its own hit test (copy source inside a selected slot) and argmax accuracy, computed in
+    another way, give evaluate()'s repeat token count, accuracy and source_retrieved exactly."""
+    run = tmp_path / "run"
+    p = cli(
+        "crtn.train",
+        [
+            *TINY_RUN,
+            "data.synthetic.repeat_skip=1",
+            "train.max_step=40",
+            "train.eval_interval=40",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    valid = json.loads((run / "results.json").read_text())["valid"]["repeat"]
+    t = _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
+    for key in ("copy position", "distance // 32", "j // 8"):  # every table covers every token
+        hits, correct, n = (sum(r[i] for r in t[key].values()) for i in range(3))
+        assert n == valid["tokens"] > 0
+        assert correct == round(valid["acc"] * n)
+        assert hits == round(valid["source_retrieved"] * n)
+    assert 0 < hits < n  # both outcomes occur, so the comparison says something
+    ok_hit = sum(ok for ok, _ in t["alpha"].values())
+    ok_miss, n_miss = t["misses"]["all"]
+    assert n_miss == n - hits and ok_hit + ok_miss == correct
+    assert sum(c for _, c in t["alpha"].values()) == hits
+    assert set(t["copy position"]) <= set(range(2, 5))  # only tokens after repeat_skip=1 (passage_len 4)
+
+
+def test_recall_diagnosis_rejects_txl(tmp_path):
+    run = tmp_path / "run"
+    p = cli("crtn.train", [*TINY_RUN, "model=txl", "train.max_step=2", f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    with pytest.raises(SystemExit, match="needs a crtn model"):
+        _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
