@@ -87,6 +87,21 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
+def checkpoint_config(ckpt: dict[str, Any]) -> Any:
+    """The training config saved in ``ckpt`` as a typed OmegaConf node: ``crtn-train``'s
+    schema (:class:`crtn.config.TrainAppConfig`) with the saved values merged in, so keys
+    added to the schema after the checkpoint was written take their defaults.
+
+    Raises:
+        omegaconf.errors.ValidationError: a saved value does not fit the schema.
+    """
+    from omegaconf import OmegaConf
+
+    from crtn.config import TrainAppConfig
+
+    return OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states of python, numpy, torch (and CUDA when available)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()

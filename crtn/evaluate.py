@@ -274,11 +274,11 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
     """
     from omegaconf import OmegaConf
 
-    from crtn.checkpoint import load_checkpoint
-    from crtn.config import TrainAppConfig, validate_eval
+    from crtn.checkpoint import checkpoint_config, load_checkpoint
+    from crtn.config import validate_eval
 
     ckpt = load_checkpoint(cfg.checkpoint)
-    train_cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    train_cfg = checkpoint_config(ckpt)
     for section in ("cache", "data"):
         overrides = {k: v for k, v in OmegaConf.to_container(cfg[section]).items() if v is not None}
         train_cfg[section] = OmegaConf.merge(train_cfg[section], overrides)

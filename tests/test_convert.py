@@ -39,8 +39,7 @@ from safetensors.torch import load_file, save_file
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 from transformers.models.transfo_xl import modeling_transfo_xl
 
-from crtn.checkpoint import load_checkpoint
-from crtn.config import TrainAppConfig
+from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.convert import ConversionError, convert, infer_hparams, read_source, resolve_hparams
 from crtn.model import build_model
 from crtn.model.adaptive import flip_cluster_order
@@ -134,7 +133,7 @@ def hf_float64_attention():
 def load_crtn(path: Path):
     """The model of a crtn checkpoint, float64, eval mode."""
     ckpt = load_checkpoint(path)
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    cfg = checkpoint_config(ckpt)
     state = ckpt["model"]
     n_token = sum(
         v.numel() for k, v in state.items() if k.startswith("crit.out_layers.") and k.endswith(".bias")
@@ -565,7 +564,7 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
 
     _, out, _, symbols = converted["text"]
     ckpt = load_checkpoint(out / "model.pt")
-    txl_cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    txl_cfg = checkpoint_config(ckpt)
     txl = build_model(txl_cfg, len(symbols)).eval()
     txl.load_state_dict(ckpt["model"])
     for query, summary in (("token", "last_state"), ("linear", "linear")):

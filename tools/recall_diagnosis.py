@@ -19,21 +19,29 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 
 import torch
-from omegaconf import OmegaConf
+from torch import Tensor
 
 
 def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
-    """Tables ``{name: {bin: (hits, correct, tokens)}}`` for one split (see the module doc)."""
-    from crtn.checkpoint import load_checkpoint
-    from crtn.config import TrainAppConfig
+    """Hit and accuracy counts over the scored repeat tokens of one split (see the module doc).
+
+    Returns:
+        ``{"copy position" | "distance // 32" | "j // 8": {bin: [hits, correct, tokens]},
+        "alpha": {bin 0..4: [correct, tokens]} (hits only, alpha in [bin/5, (bin+1)/5)),
+        "misses": {"all": [correct, tokens]}}``; counts are tokens, distances in tokens.
+
+    Raises:
+        SystemExit: the checkpoint is not a crtn model trained on ``data=synthetic``.
+        CheckpointError: unreadable checkpoint.
+    """
+    from crtn.checkpoint import checkpoint_config, load_checkpoint
     from crtn.data import load_corpus
     from crtn.model import build_model
 
     ckpt = load_checkpoint(checkpoint)
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    cfg = checkpoint_config(ckpt)
     if cfg.model.name != "crtn" or cfg.data.name != "synthetic":
         sys.exit(
             f"{checkpoint}: needs a crtn model trained on data=synthetic, not {cfg.model.name} on {cfg.data.name}"
@@ -47,11 +55,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     labels, gaps = corpus.labels[split].long(), corpus.repeat_gap[split].long()
     skip = corpus.info.get("repeat_skip", 0)
     n = it.stream_len
-    tables: dict[str, dict] = {
-        k: defaultdict(lambda: [0, 0, 0]) for k in ("copy position", "distance // 32", "j // 8")
-    }
-    by_alpha: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    misses = [0, 0]
+    cols: dict[str, list[Tensor]] = {k: [] for k in ("label", "gap", "j", "hit", "ok", "alpha")}
     state = None
     with torch.no_grad():
         for batch in it:
@@ -59,39 +63,36 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
             state = out.state
             B, T = batch.input.shape  # T < L in a split's last segment
             t0 = batch.index * L
-            j = torch.arange(T)
+            j = torch.arange(T).expand(B, T)
             g = torch.arange(B)[:, None] * n + t0 + j + 1  # [B, T] split index of each target
             lab, gap = labels[g], gaps[g]
-            scored = lab > skip
             ok = model.crit.log_prob(out.hidden).argmax(-1) == batch.target
             if out.selection is None:  # empty cache (first segment): nothing retrieved
-                hit = torch.zeros_like(scored)
-                alpha = torch.zeros(B, T)
+                hit, alpha = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T)
             else:
                 src = t0 + j + 1 - gap  # [B, T] stream position of the target's copy source
                 start = t0 - out.selection.age  # [B, T, k] first stream position of each selected slot
                 inside = (start <= src[..., None]) & (src[..., None] < start + L)  # a slot holds L positions
-                hit = inside.any(-1)
-                alpha = (out.selection.alpha * inside).sum(-1)
-            for key, v in (
-                ("copy position", lab),
-                ("distance // 32", gap // 32),
-                ("j // 8", j.expand(B, T) // 8),
-            ):
-                for b in v[scored].unique().tolist():
-                    m = scored & (v == b)
-                    row = tables[key][b]
-                    row[0] += int(hit[m].sum())
-                    row[1] += int(ok[m].sum())
-                    row[2] += int(m.sum())
-            abin = (alpha * 5).long().clamp(max=4)
-            for b in range(5):
-                m = scored & hit & (abin == b)
-                by_alpha[b][0] += int(ok[m].sum())
-                by_alpha[b][1] += int(m.sum())
-            misses[0] += int(ok[scored & ~hit].sum())
-            misses[1] += int((scored & ~hit).sum())
-    return {**tables, "alpha": dict(by_alpha), "misses": {"all": misses}}
+                hit, alpha = inside.any(-1), (out.selection.alpha * inside).sum(-1)
+            m = lab > skip
+            for k, v in zip(cols, (lab, gap, j, hit, ok, alpha), strict=True):
+                cols[k].append(v[m])
+    c = {k: torch.cat(v) for k, v in cols.items()}
+    hit, ok = c["hit"], c["ok"]
+
+    def table(bins: Tensor, *flags: Tensor) -> dict[int, list[int]]:
+        """{bin: [count of each flag, tokens]} over the bins that occur."""
+        rows = [torch.bincount(bins, weights=f.double()) for f in flags] + [torch.bincount(bins)]
+        return {b: [int(r[b]) for r in rows] for b in bins.unique().tolist()}
+
+    tables = {
+        "copy position": table(c["label"], hit, ok),
+        "distance // 32": table(c["gap"] // 32, hit, ok),
+        "j // 8": table(c["j"] // 8, hit, ok),
+    }
+    abin = (c["alpha"][hit] * 5).long().clamp(max=4)
+    by_alpha = {b: [int(ok[hit][abin == b].sum()), int((abin == b).sum())] for b in range(5)}
+    return {**tables, "alpha": by_alpha, "misses": {"all": [int(ok[~hit].sum()), int((~hit).sum())]}}
 
 
 def main() -> None:
