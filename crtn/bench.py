@@ -208,16 +208,8 @@ def state_bytes(case: Case) -> int:
     if case.opt is not None:
         for st in case.opt.state.values():
             total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-    st = case.state
-    if st is not None:
-        for t in (st.mem, st.r_prev):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        if st.cache is not None and st.cache.values is not None:
-            c = st.cache
-            for t in (c.values, c.keys):
-                if t is not None:
-                    total += t.numel() * t.element_size()
+    if case.state is not None:
+        total += case.state.nbytes()
     return total
 
 
@@ -344,10 +336,10 @@ def bench_scaling(s: Sizes, device: torch.device, stepper: Stepper, log: Callabl
 def bench_retrieval(s: Sizes, device: torch.device, stepper: Stepper, log: Callable) -> dict[str, Any]:
     """Top-k retrieval alone (torch, faiss flat, faiss HNSW), then a faiss evaluation step."""
     from crtn.model.cache import SegmentCache
-    from crtn.model.summary import Summary
+    from crtn.model.summary import make_summary
 
     d, L, k = s.d_model, s.tgt_len, s.top_k
-    summ = Summary("last_state", L, d)
+    summ = make_summary("last_state", L, d)
     rows = []
     rng = np.random.default_rng(0)
     for n in s.keys_retrieval:
@@ -359,9 +351,9 @@ def bench_retrieval(s: Sizes, device: torch.device, stepper: Stepper, log: Calla
             ("faiss-flat", "faiss", {"index": "flat"}),
             ("faiss-hnsw", "faiss", {"index": "hnsw", "hnsw_m": 32, "hnsw_ef_search": 128}),
         ):
-            c = SegmentCache(n, 1, backend=backend, faiss_opts=opts)
+            c = SegmentCache(n, 1, summ, backend=backend, faiss_opts=opts)
             # bulk fill (timing insertion is not the point here): one tiny value row per slot
-            c.insert(torch.zeros(1, 1, 1, d), keys[:1], 0, summ)
+            c.insert(torch.zeros(1, 1, 1, d), keys[:1], 0)
             c.commit()
             c.values = torch.zeros(1, n, 1, d)
             c.keys = keys[None].to(device if backend == "torch" else "cpu").clone()
@@ -378,11 +370,11 @@ def bench_retrieval(s: Sizes, device: torch.device, stepper: Stepper, log: Calla
                 qq = q.to(device) if name == "torch" else q
                 _sync(device)
                 t = time.perf_counter()
-                c.select(qq, summ, k, "topk", n * L, count=False)
+                c.select(qq, top_k=k, alpha_norm="topk", t0=n * L, count=False)
                 _sync(device)
                 times[name].append(time.perf_counter() - t)
-        exact = caches["faiss-flat"].select(q, summ, k, "topk", n * L, count=False).slot
-        approx = caches["faiss-hnsw"].select(q, summ, k, "topk", n * L, count=False).slot
+        exact = caches["faiss-flat"].select(q, top_k=k, alpha_norm="topk", t0=n * L, count=False).slot
+        approx = caches["faiss-hnsw"].select(q, top_k=k, alpha_norm="topk", t0=n * L, count=False).slot
         recall = np.mean([len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(exact[0], approx[0])])
         for name in caches:
             rows.append(

@@ -21,26 +21,21 @@ from typing import Any
 from omegaconf import MISSING
 
 from crtn.errors import ConfigError
+from crtn.model import MODELS as MODEL_CLASSES
+from crtn.model import STRATEGIES as STRATEGY_CLASSES
+from crtn.model import SUMMARIES as SUMMARY_CLASSES
+from crtn.model import dependency_range, model_class, valid_pairs, valid_summaries, validate_model  # noqa: F401  (re-exported)
 
-MODELS = ("vanilla", "txl", "crtn")
+# the names of the registered models, query strategies and summaries (crtn/model/)
+MODELS = tuple(MODEL_CLASSES)
+STRATEGIES = tuple(STRATEGY_CLASSES)
+SUMMARIES = tuple(SUMMARY_CLASSES)
+WINDOW_STRATEGIES = tuple(q for q, cls in STRATEGY_CLASSES.items() if cls.kind == "window")
+# SPEC §3, "Summaries": which summaries each query kind may be paired with.
+WINDOW_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "window" in cls.kinds)
+TOKEN_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "token" in cls.kinds)
 DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
-WINDOW_STRATEGIES = ("fixed_length_1", "fixed_length_2", "last_l", "middle_l", "linear")
-STRATEGIES = WINDOW_STRATEGIES + ("token",)
-SUMMARIES = ("identity", "linear", "last_state", "mean", "max", "token_max")
-# SPEC §3, "Summaries": which summaries each query strategy may be paired with.
-WINDOW_SUMMARIES = ("identity", "linear", "last_state", "mean", "max")
-TOKEN_SUMMARIES = ("last_state", "mean", "max", "token_max")
 SCHEDULERS = ("cosine", "inv_sqrt", "constant")
-
-
-def valid_summaries(strategy: str) -> tuple[str, ...]:
-    """Summaries that may be paired with query ``strategy`` (SPEC §3 table)."""
-    return TOKEN_SUMMARIES if strategy == "token" else WINDOW_SUMMARIES
-
-
-def valid_pairs() -> list[tuple[str, str]]:
-    """Every valid (query strategy, summary) pair of SPEC §3, strategies in SPEC order."""
-    return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
 
 
 @dataclass
@@ -240,11 +235,6 @@ class EvalAppConfig:
     progress: bool = True
 
 
-def dependency_range(mem_len: int, n_slot: int, tgt_len: int) -> int:
-    """CRTN's dependency range in tokens, m + N L (SPEC §3); the ``${crtn_range:m,N,L}`` resolver."""
-    return int(mem_len) + int(n_slot) * int(tgt_len)
-
-
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     from hydra.core.config_store import ConfigStore
@@ -261,70 +251,6 @@ def register_configs() -> None:
 def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
-
-
-def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:
-    """Check a model's config before any work starts (SPEC §1-3).
-
-    Args:
-        model, cache, query, summary: nodes with the fields of :class:`ModelConfig`,
-            :class:`CacheConfig`, :class:`QueryConfig`, :class:`SummaryConfig`.
-
-    Raises:
-        ConfigError: one line naming the offending key and value.
-    """
-    _choice("model.name", model.name, MODELS)
-    for key in ("n_layer", "n_head", "d_model", "d_head", "d_inner", "tgt_len"):
-        if getattr(model, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(model, key)} must be > 0")
-    if model.mem_len < 0:
-        raise ConfigError(f"model.mem_len={model.mem_len} must be >= 0")
-    if model.d_embed is not None and model.d_embed <= 0:
-        raise ConfigError(f"model.d_embed={model.d_embed} must be > 0")
-    if not 0.0 <= model.dropout < 1.0 or not 0.0 <= model.dropatt < 1.0:
-        raise ConfigError("model.dropout and model.dropatt must be in [0, 1)")
-    if model.div_val < 1:
-        raise ConfigError(f"model.div_val={model.div_val} must be >= 1")
-    if list(model.cutoffs) != sorted(set(model.cutoffs)) or any(c <= 0 for c in model.cutoffs):
-        raise ConfigError(f"model.cutoffs={list(model.cutoffs)} must be increasing positive integers")
-    if model.tie_projs is not None and len(model.tie_projs) != len(model.cutoffs) + 1:
-        raise ConfigError(
-            f"model.tie_projs has {len(model.tie_projs)} entries; expected len(model.cutoffs)+1 "
-            f"= {len(model.cutoffs) + 1}"
-        )
-    if model.name != "crtn":
-        return
-    if cache is None or query is None or summary is None:
-        raise ConfigError("model.name=crtn needs the cache, query and summary config nodes")
-    if model.mem_len % model.tgt_len != 0:
-        raise ConfigError(
-            f"model.mem_len={model.mem_len} must be a multiple of model.tgt_len={model.tgt_len} "
-            "for model=crtn (SPEC §3, renewal)"
-        )
-    if cache.n_slot < 0 or cache.top_k < 0:
-        raise ConfigError(f"cache.n_slot={cache.n_slot} and cache.top_k={cache.top_k} must be >= 0")
-    _choice("cache.alpha_norm", cache.alpha_norm, ("all", "topk"))
-    _choice("cache.pos", cache.pos, ("concat", "real"))
-    _choice("cache.backend", cache.backend, ("torch", "faiss"))
-    _choice("cache.faiss_index", cache.faiss_index, ("flat", "hnsw"))
-    _choice("cache.renew", cache.renew, ("fifo", "least_used"))
-    if cache.dtype is not None:
-        _choice("cache.dtype", cache.dtype, ("float32", "float16", "bfloat16", "float64"))
-    if cache.backend == "faiss" and cache.renew != "fifo":
-        raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
-    if cache.backend == "faiss" and summary is not None and summary.name == "token_max":
-        raise ConfigError("cache.backend=faiss does not support summary=token_max (one key per slot needed)")
-    _choice("query.strategy", query.strategy, STRATEGIES)
-    _choice("summary.name", summary.name, SUMMARIES)
-    allowed = valid_summaries(query.strategy)
-    if summary.name not in allowed:
-        raise ConfigError(
-            f"query={query.strategy} cannot be paired with summary={summary.name}. Valid pairs: "
-            f"{'|'.join(WINDOW_STRATEGIES)} with {'|'.join(WINDOW_SUMMARIES)}; "
-            f"token with {'|'.join(TOKEN_SUMMARIES)}"
-        )
-    if summary.d_key is not None and summary.d_key <= 0:
-        raise ConfigError(f"summary.d_key={summary.d_key} must be > 0")
 
 
 def validate_train(cfg: Any) -> None:
@@ -363,7 +289,7 @@ def validate_eval(ev: Any, model: Any) -> None:
             raise ConfigError(f"eval.{key}={value} must be >= 0")
     if ev.batch_size is not None and ev.batch_size <= 0:
         raise ConfigError(f"eval.batch_size={ev.batch_size} must be > 0")
-    if model.name == "crtn":
+    if model_class(model.name).has_cache:
         tgt = ev.tgt_len if ev.tgt_len is not None else model.tgt_len
         mem = ev.mem_len if ev.mem_len is not None else model.mem_len
         if mem % tgt != 0:

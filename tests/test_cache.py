@@ -8,7 +8,7 @@ import torch
 
 from crtn.model import RetrievalStats
 from crtn.model.cache import SegmentCache
-from crtn.model.summary import Summary
+from crtn.model.summary import make_summary
 from tests.helpers import tiny_model
 
 V = 11
@@ -162,19 +162,19 @@ def test_hnsw_recall_is_reported():
     """Approximate search: recall@k against exact search (reported, not required to be 1)."""
     rng = np.random.default_rng(0)
     n, d, k = 2000, 32, 4
-    cache_exact = SegmentCache(n, 1, backend="faiss", faiss_opts={"index": "flat"})
-    cache_hnsw = SegmentCache(n, 1, backend="faiss", faiss_opts={"index": "hnsw", "hnsw_m": 16})
-    summ = Summary("last_state", 1, d)
+    summ = make_summary("last_state", 1, d)
+    cache_exact = SegmentCache(n, 1, summ, backend="faiss", faiss_opts={"index": "flat"})
+    cache_hnsw = SegmentCache(n, 1, summ, backend="faiss", faiss_opts={"index": "hnsw", "hnsw_m": 16})
     for i in range(n):
         states = torch.from_numpy(rng.standard_normal((2, 1, 1, d)).astype(np.float32))
         key = states[-1, :, -1]
         for c in (cache_exact, cache_hnsw):
-            c.insert(states, key, i, summ)
+            c.insert(states, key, i)
     for c in (cache_exact, cache_hnsw):
         c.commit()
     q = torch.from_numpy(rng.standard_normal((1, 64, d)).astype(np.float32))
-    exact = cache_exact.select(q, summ, k, "topk", n).slot
-    approx = cache_hnsw.select(q, summ, k, "topk", n).slot
+    exact = cache_exact.select(q, top_k=k, alpha_norm="topk", t0=n).slot
+    approx = cache_hnsw.select(q, top_k=k, alpha_norm="topk", t0=n).slot
     hits = sum(len(set(e.tolist()) & set(a.tolist())) for e, a in zip(exact[0], approx[0]))
     recall = hits / exact.numel()
     print(f"HNSW recall@{k} vs exact over {n} keys: {recall:.3f}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -228,8 +229,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self,
         h: Tensor,
         pos_emb: Tensor,
-        r_w_bias: Tensor,
-        r_r_bias: Tensor,
+        *,
+        r_w_bias: Tensor | None,
+        r_r_bias: Tensor | None,
         attn_mask: Tensor,
         mem: Tensor | None = None,
         cache: CacheContext | None = None,
@@ -289,7 +291,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             attn_vec = attn_vec.transpose(1, 2).reshape(B, L, H * dh)
         else:
             attn_vec = self._attend_with_cache(
-                score, bd[..., :C], rw_q, rr_q, v, cache, layer, real_pos, B, L
+                score, bd[..., :C], rw_q, rr_q, v, cache=cache, layer=layer, real_pos=real_pos
             )
 
         attn_out = self.drop(self.o_net(attn_vec))
@@ -309,13 +311,18 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         rw_q: Tensor,
         rr_q: Tensor,
         v: Tensor,
+        *,
         cache: CacheContext,
         layer: int,
         real_pos: RealPositions | None,
-        B: int,
-        L: int,
     ) -> Tensor:
-        """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows."""
+        """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows.
+
+        score: [B, H, L, M+L] memory/segment scores; bd_cache: [B, H, L, C] position scores
+        of the retrieved rows (``pos=concat``); rw_q, rr_q: [B, L, H, d_h] q+u, q+v;
+        v: [B, M+L, H, d_h]. Returns [B, L, H d_h].
+        """
+        B, L = rw_q.shape[:2]
         H, dh, d = self.n_head, self.d_head, self.d_model
         w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
         values = cache.values[layer]  # [B*N, Ls, d]
@@ -326,13 +333,14 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
             g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
             ac_c = (
-                retrieved_product(q_model * g, values, index, "scores", True, eps) + (q_model @ b)[..., None]
+                retrieved_product(q_model * g, values, index, "scores", normalize=True, eps=eps)
+                + (q_model @ b)[..., None]
             )
         else:
             ac_c = retrieved_product(q_model, values, index, "scores")
         ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
         if real_pos is not None:
-            bd_c = real_pos.bd(rr_q, self.r_net.weight, cache, layer)  # [B, H, L, C]
+            bd_c = real_pos.bd(rr_q, self.r_net.weight)  # [B, H, L, C]
         else:
             bd_c = bd_cache
         score_c = ac_c + bd_c
@@ -348,7 +356,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         prob_c = prob_c.reshape(B * L, H, C)
         if self.pre_lnorm:
             mix = (
-                retrieved_product(prob_c, values, index, "mix", True, eps) * g
+                retrieved_product(prob_c, values, index, "mix", normalize=True, eps=eps) * g
                 + prob_c.sum(-1, keepdim=True) * b
             )
         else:
@@ -397,7 +405,7 @@ class RealPositions:
             self.clamped = dist > clamp_len
             self.r_clamp = pos_emb(torch.tensor([float(clamp_len)], device=age.device), dtype)  # [1, d]
 
-    def bd(self, rr_q: Tensor, r_weight: Tensor, cache: CacheContext, layer: int) -> Tensor:
+    def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
         """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
         B, L, H, dh = rr_q.shape
         d = r_weight.shape[1]
@@ -448,6 +456,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def __init__(
         self,
+        *,
         n_head: int,
         d_model: int,
         d_head: int,
@@ -460,23 +469,20 @@ class RelPartialLearnableDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
-            n_head, d_model, d_head, dropout, dropatt, pre_lnorm, layer_norm_eps, untie_r
+            n_head,
+            d_model,
+            d_head,
+            dropout,
+            dropatt=dropatt,
+            pre_lnorm=pre_lnorm,
+            layer_norm_eps=layer_norm_eps,
+            untie_r=untie_r,
         )
-        self.pos_ff = PositionwiseFF(d_model, d_inner, dropout, pre_lnorm, layer_norm_eps)
+        self.pos_ff = PositionwiseFF(
+            d_model, d_inner, dropout, pre_lnorm=pre_lnorm, layer_norm_eps=layer_norm_eps
+        )
 
-    def forward(
-        self,
-        h: Tensor,
-        pos_emb: Tensor,
-        r_w_bias: Tensor,
-        r_r_bias: Tensor,
-        attn_mask: Tensor,
-        mem: Tensor | None = None,
-        cache: CacheContext | None = None,
-        layer: int = 0,
-        real_pos: RealPositions | None = None,
-        mem_kv: Tensor | None = None,
-    ) -> Tensor:
-        """h [B, L, d] -> [B, L, d]; see :meth:`RelPartialLearnableMultiHeadAttn.forward`."""
-        out = self.dec_attn(h, pos_emb, r_w_bias, r_r_bias, attn_mask, mem, cache, layer, real_pos, mem_kv)
-        return self.pos_ff(out)
+    def forward(self, h: Tensor, pos_emb: Tensor, **attn: Any) -> Tensor:
+        """h [B, L, d] -> [B, L, d]; ``attn``: the keyword arguments of
+        :meth:`RelPartialLearnableMultiHeadAttn.forward`."""
+        return self.pos_ff(self.dec_attn(h, pos_emb, **attn))

@@ -33,12 +33,20 @@ from torch import Tensor
 
 from crtn.model.summary import Summary
 
+#: the options of the ``cache`` config node that this module implements
+ALPHA_NORMS = ("all", "topk")
+POS_MODES = ("concat", "real")  # used by the attention (attention.py)
+BACKENDS = ("torch", "faiss")
+FAISS_INDEXES = ("flat", "hnsw")
+RENEWALS = ("fifo", "least_used")
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+CACHE_DTYPES = tuple(_DTYPES)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class SegmentCache:
     Args:
         n_slot: N, slots per row.
         batch_size: B.
+        summary: the model's summary: how keys are made, stored and scored.
         renew: ``fifo`` (drop the oldest slot) or ``least_used`` (drop the slot selected
             least often since it entered; ties go to the oldest).
         dtype: storage dtype of the values (float32, float16, bfloat16, float64); None
@@ -78,6 +87,7 @@ class SegmentCache:
         self,
         n_slot: int,
         batch_size: int,
+        summary: Summary,
         renew: str = "fifo",
         dtype: str | torch.dtype | None = None,
         backend: str = "torch",
@@ -86,15 +96,15 @@ class SegmentCache:
         if n_slot <= 0:
             raise ValueError(f"cache.n_slot={n_slot} must be > 0 to build a cache")
         self.n_slot, self.batch_size, self.renew = n_slot, batch_size, renew
+        self.summary = summary
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
         self.backend, self.faiss_opts = backend, dict(faiss_opts or {})
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
-        self.keys: Tensor | None = None  # [B, N, d_key] (identity/token_max: views of values)
+        self.keys: Tensor | None = None  # [B, N, d_key]; None when keys are views of the values
         self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
         self.usage: Tensor | None = None  # [B, N] times selected since insertion
         self.newest: Tensor | None = None  # [B] slot written last
         self.n_insert = 0
-        self._key_view: str | None = None
         self._faiss: _FaissRows | None = None
         self._pending: tuple | None = None
         self.select_seconds = 0.0  # wall time spent in select() (host time; faiss syncs anyway)
@@ -118,9 +128,8 @@ class SegmentCache:
         """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max)."""
         assert self.values is not None
         nv = self.n_valid
-        if self._key_view is not None:
-            top = self.layer_values(self.values.shape[0] - 1)[:, :nv]
-            return top.flatten(-2) if self._key_view == "identity" else top
+        if self.summary.key_is_view:
+            return self.summary.key(self.layer_values(self.values.shape[0] - 1)[:, :nv])
         assert self.keys is not None
         return self.keys[:, :nv]
 
@@ -130,7 +139,7 @@ class SegmentCache:
         rows = torch.arange(self.batch_size, device=self.values.device) * self.n_slot + self.newest
         return self.values.index_select(1, rows)
 
-    def insert(self, states: Tensor, key: Tensor | None, pos: int, summary: Summary) -> None:
+    def insert(self, states: Tensor, key: Tensor | None, pos: int) -> None:
         """Stage one new segment per row; it enters the cache at the next :meth:`commit`.
 
         Renewal writes the ring buffer in place. Deferring the write to the start of
@@ -140,18 +149,17 @@ class SegmentCache:
         Args:
             states: [n+1, B, Ls, d] hidden states of the segment at layers 0..n (detached).
             key: [B, d_key] its key, or None when the summary's key is a view of the
-                top layer (identity, token_max).
+                top layer (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
-            summary: the model's summary (decides how keys are stored).
         """
         self.commit()
-        self._pending = (states, key, pos, summary)
+        self._pending = (states, key, pos)
 
     def commit(self) -> None:
         """Write the staged segment (if any) into its slot: FIFO or least-used replacement."""
         if self._pending is None:
             return
-        states, key, pos, summary = self._pending
+        states, key, pos = self._pending
         self._pending = None
         n_layers, B, Ls, d = states.shape
         dev = states.device
@@ -161,10 +169,8 @@ class SegmentCache:
             self.pos = torch.full((B, self.n_slot), -1, dtype=torch.long, device=dev)
             self.usage = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
             self.newest = torch.zeros(B, dtype=torch.long, device=dev)
-            if summary.name in ("identity", "token_max"):
-                self._key_view = summary.name
-            else:
-                self.keys = torch.zeros(B, self.n_slot, summary.d_key, dtype=states.dtype, device=dev)
+            if not self.summary.key_is_view:
+                self.keys = torch.zeros(B, self.n_slot, self.summary.d_key, dtype=states.dtype, device=dev)
         assert self.pos is not None and self.usage is not None
         if Ls != self.seg_len:
             raise ValueError(f"segment of {Ls} rows cannot enter a cache of {self.seg_len}-row slots")
@@ -190,7 +196,7 @@ class SegmentCache:
             self._faiss.add(self._flat_keys(b, slot))
 
     def _flat_keys(self, b: Tensor, slot: Tensor) -> np.ndarray:
-        keys = self.valid_keys() if self._key_view else self.keys
+        keys = self.valid_keys() if self.summary.key_is_view else self.keys
         assert keys is not None
         return keys[b, slot].reshape(self.batch_size, -1).float().cpu().numpy()
 
@@ -198,7 +204,7 @@ class SegmentCache:
     def select(
         self,
         query: Tensor | None,
-        summary: Summary,
+        *,
         top_k: int,
         alpha_norm: str,
         t0: int,
@@ -208,8 +214,7 @@ class SegmentCache:
         """Top-k slots and weights for every token (SPEC §3 step 2).
 
         Args:
-            query: [B, L, d_key] queries (``token_max``: [B, L, d]).
-            summary: scores queries against keys.
+            query: [B, L, d_key] queries (``token_max``: [B, L, d]), scored by the cache's summary.
             top_k: k; ``min(k, n_valid)`` slots are taken.
             alpha_norm: ``all`` (softmax over all valid slots) or ``topk``; ignored by
                 the faiss backend, which always normalises over the top-k.
@@ -238,10 +243,10 @@ class SegmentCache:
             slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
             keys = self.valid_keys()
             picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
-            alpha = torch.softmax(summary.score_selected(query, picked), -1)
+            alpha = torch.softmax(self.summary.score_selected(query, picked), -1)
         else:
             keys = self.valid_keys()
-            scores = score_fn(keys) if score_fn is not None else summary.score(query, keys)  # [B, L, nv]
+            scores = score_fn(keys) if score_fn is not None else self.summary.score(query, keys)  # [B, L, nv]
             B, L = scores.shape[:2]
             top_s, slot = scores.topk(k, dim=-1)
             if alpha_norm == "all":
@@ -270,7 +275,7 @@ class SegmentCache:
             "pos": self.pos,
             "usage": self.usage,
             "newest": self.newest,
-            "key_view": self._key_view,
+            "key_view": self.summary.name if self.summary.key_is_view and self.values is not None else None,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -282,7 +287,7 @@ class SegmentCache:
             )
         self.n_insert = sd["n_insert"]
         self.values, self.keys, self.pos = sd["values"], sd["keys"], sd["pos"]
-        self.usage, self.newest, self._key_view = sd["usage"], sd["newest"], sd["key_view"]
+        self.usage, self.newest = sd["usage"], sd["newest"]
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
         self._faiss = None

@@ -23,20 +23,49 @@ aligned with X_t), row L for the others.
 The two ``fixed_length`` strategies run L extra passes per step; they are batched into
 one pass over B*L sequences (L times the tokens of a normal pass) and their cost is
 reported by the benchmark.
+
+Each strategy is a small class registered in :data:`STRATEGIES` under its config name
+(``query.strategy``). A class states what the CRTN step must provide for it
+(``needs_query_pass``: R_cur; ``needs_r_prev``: R_prev; ``needs_prev_tokens``:
+X_{t-1}'s tokens; ``needs_prev_states``: X_{t-1}'s stored states), its ``kind``
+(``window`` or ``token``, which decides the summaries it pairs with, see
+``summary.py``) and whether its weights are built for one L (``length_bound``).
+A new strategy is one class here (plus ``conf/query/NAME.yaml``); see CONTRIBUTING.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from crtn.model.summary import Summary
+from crtn.model.summary import TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
 CoreFn = Callable[[Tensor, Tensor | None, Tensor | None], Tensor]
+
+
+@dataclass
+class QueryInputs:
+    """What a strategy may read to build the queries of segment X_t (SPEC §3 step 1).
+
+    Attributes:
+        r_cur: [B, L', d] top layer of the query pass over X_t (None if not run).
+        r_prev: [B, L, d] the same for X_{t-1} (zeros before the first segment), or None.
+        core: runs the Transformer with shared weights (fixed_length strategies).
+        tokens: [B, L'] X_t; prev_tokens: [B, L] X_{t-1} (zeros before the first segment).
+        prev_states: [n+1, B, L, d] stored states of X_{t-1}, or None.
+    """
+
+    r_cur: Tensor | None
+    r_prev: Tensor | None = None
+    core: CoreFn | None = None
+    tokens: Tensor | None = None
+    prev_tokens: Tensor | None = None
+    prev_states: Tensor | None = None
 
 
 def last_l_windows(r_cur: Tensor, seg_len: int) -> Tensor:
@@ -110,75 +139,80 @@ def fixed_length_2_windows(core: CoreFn, tokens: Tensor, prev_states: Tensor, r_
     return g.gather(2, idx[None, :, :, None].expand(B, Lq, L, d))
 
 
-class QueryBuilder(nn.Module):
-    """Builds the query of every token of a segment (SPEC §3, "Query strategies").
+class QueryStrategy(nn.Module):
+    """How each token's query is built (SPEC §3, "Query strategies"); base class.
 
     Args:
-        strategy: fixed_length_1 | fixed_length_2 | last_l | middle_l | linear | token.
-        seg_len: L (the ``linear`` strategy's Linear_{2L->L} is built for it).
+        seg_len: L (``linear``'s Linear_{2L->L} is built for it).
+
+    Window strategies implement :meth:`windows`; :meth:`forward` applies the summary.
     """
 
-    def __init__(self, strategy: str, seg_len: int):
+    strategy: str = ""
+    kind: str = WINDOW
+    needs_query_pass: bool = True
+    needs_r_prev: bool = False
+    needs_prev_tokens: bool = False
+    needs_prev_states: bool = False
+    length_bound: bool = False
+
+    def __init__(self, seg_len: int):
         super().__init__()
-        self.strategy, self.seg_len = strategy, seg_len
-        if strategy == "linear":
-            self.seq_linear = nn.Linear(2 * seg_len, seg_len)
+        self.seg_len = seg_len
 
-    @property
-    def needs_r_prev(self) -> bool:
-        """Whether R_prev (the previous segment's query-pass top layer) is used."""
-        return self.strategy in ("middle_l", "linear", "fixed_length_2")
-
-    @property
-    def needs_query_pass(self) -> bool:
-        """Whether R_cur (the query pass) is needed; fixed_length_1 builds its own windows."""
-        return self.strategy != "fixed_length_1"
-
-    def windows(
-        self,
-        r_prev: Tensor | None,
-        r_cur: Tensor | None,
-        core: CoreFn | None = None,
-        tokens: Tensor | None = None,
-        prev_tokens: Tensor | None = None,
-        prev_states: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long.
-
-        Raises:
-            ValueError: for ``token`` (no windows) or an unknown strategy.
-        """
-        s, L = self.strategy, self.seg_len
-        if s == "last_l":
-            assert r_cur is not None
-            lq = r_cur.shape[1]
-            return last_l_windows(r_cur, L), torch.arange(lq, device=r_cur.device)
-        if s == "linear":
-            assert r_prev is not None and r_cur is not None
-            lq = r_cur.shape[1]
-            return linear_windows(r_prev, r_cur, self.seq_linear), torch.arange(lq, device=r_cur.device)
-        if s == "middle_l":
-            assert r_prev is not None and r_cur is not None
-            w = middle_l_windows(r_prev, r_cur)
-        elif s == "fixed_length_1":
-            assert core is not None and tokens is not None and prev_tokens is not None
-            w = fixed_length_1_windows(core, prev_tokens, tokens)
-        elif s == "fixed_length_2":
-            assert core is not None and tokens is not None and prev_states is not None and r_prev is not None
-            w = fixed_length_2_windows(core, tokens, prev_states, r_prev)
-        else:
-            raise ValueError(f"query={s} has no windows")
-        return w, torch.full((w.shape[1],), L - 1, dtype=torch.long, device=w.device)
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long."""
+        raise ValueError(f"query={self.strategy} has no windows")
 
     def fast_scores(self, summary: Summary, r_cur: Tensor | None) -> Callable[[Tensor], Tensor] | None:
-        """A function keys -> scores [B, L', n] that avoids building windows, when one exists.
+        """A function keys -> scores [B, L', n] that avoids building queries, or None (the default)."""
+        return None
 
-        ``last_l`` with ``identity`` keys: W_j = Masked_j(R_cur), so
-        <flat(W_j), flat(K_i)> = sum_{r<=j} <R_cur[r], K_i[r]>, a cumulative sum of per-row
-        dot products: O(B L n d) instead of O(B L n L d), and no [B, L, L, d] windows.
-        Returns None for the other pairings (the caller builds queries).
-        """
-        if self.strategy != "last_l" or summary.name != "identity" or r_cur is None:
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        """Queries [B, L', d_key] (``token``: R_cur itself, [B, L', d])."""
+        w, token_row = self.windows(x)
+        return summary.query(w, token_row)
+
+    def _last_row(self, w: Tensor) -> tuple[Tensor, Tensor]:
+        return w, torch.full((w.shape[1],), self.seg_len - 1, dtype=torch.long, device=w.device)
+
+
+class FixedLength1(QueryStrategy):
+    """Top layer of a memory-less pass over x_{j-L+1..j} (seed 003, 1.1.1)."""
+
+    strategy, needs_query_pass, needs_prev_tokens = "fixed_length_1", False, True
+
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        assert x.core is not None and x.tokens is not None and x.prev_tokens is not None
+        return self._last_row(fixed_length_1_windows(x.core, x.prev_tokens, x.tokens))
+
+
+class FixedLength2(QueryStrategy):
+    """[R_prev[j+1..L]; T_j], T_j a pass over X_t[1..j] with X_{t-1}[j+1..L] as memory (seed 003, 1.1.2)."""
+
+    strategy, needs_r_prev, needs_prev_states = "fixed_length_2", True, True
+
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        assert x.core is not None and x.tokens is not None
+        assert x.prev_states is not None and x.r_prev is not None
+        return self._last_row(fixed_length_2_windows(x.core, x.tokens, x.prev_states, x.r_prev))
+
+
+class LastL(QueryStrategy):
+    """Rows L+1..2L of Masked_j([R_prev; R_cur]) (seed 003, 1.2.1)."""
+
+    strategy = "last_l"
+
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        assert x.r_cur is not None
+        lq = x.r_cur.shape[1]
+        return last_l_windows(x.r_cur, self.seg_len), torch.arange(lq, device=x.r_cur.device)
+
+    def fast_scores(self, summary: Summary, r_cur: Tensor | None) -> Callable[[Tensor], Tensor] | None:
+        """``identity`` keys: W_j = Masked_j(R_cur), so <flat(W_j), flat(K_i)> =
+        sum_{r<=j} <R_cur[r], K_i[r]>, a cumulative sum of per-row dot products:
+        O(B L n d) instead of O(B L n L d), and no [B, L, L, d] windows."""
+        if summary.name != "identity" or r_cur is None:
             return None
         B, Lq, d = r_cur.shape
         scale = 1.0 / math.sqrt(summary.d_key)
@@ -189,19 +223,54 @@ class QueryBuilder(nn.Module):
 
         return scores
 
-    def forward(
-        self,
-        summary: Summary,
-        r_prev: Tensor | None,
-        r_cur: Tensor | None,
-        core: CoreFn | None = None,
-        tokens: Tensor | None = None,
-        prev_tokens: Tensor | None = None,
-        prev_states: Tensor | None = None,
-    ) -> Tensor:
-        """Queries [B, L', d_key] (``token``: R_cur itself, [B, L', d])."""
-        if self.strategy == "token":
-            assert r_cur is not None
-            return r_cur
-        w, token_row = self.windows(r_prev, r_cur, core, tokens, prev_tokens, prev_states)
-        return summary.query(w, token_row)
+
+class MiddleL(QueryStrategy):
+    """Rows j+1..j+L of [R_prev; R_cur] (seed 003, 1.2.2)."""
+
+    strategy, needs_r_prev = "middle_l", True
+
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        assert x.r_prev is not None and x.r_cur is not None
+        return self._last_row(middle_l_windows(x.r_prev, x.r_cur))
+
+
+class Linear(QueryStrategy):
+    """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (seed 003, 1.2.3)."""
+
+    strategy, needs_r_prev, length_bound = "linear", True, True
+
+    def __init__(self, seg_len: int):
+        super().__init__(seg_len)
+        self.seq_linear = nn.Linear(2 * seg_len, seg_len)
+
+    def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
+        assert x.r_prev is not None and x.r_cur is not None
+        lq = x.r_cur.shape[1]
+        return linear_windows(x.r_prev, x.r_cur, self.seq_linear), torch.arange(lq, device=x.r_cur.device)
+
+
+class Token(QueryStrategy):
+    """q_j = R_cur[j], the token's own top-layer state (the CRTN paper's default)."""
+
+    strategy, kind = "token", TOKEN
+
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        assert x.r_cur is not None
+        return x.r_cur
+
+
+#: every query strategy by its config name, in SPEC §3 order
+STRATEGIES: dict[str, type[QueryStrategy]] = {
+    cls.strategy: cls for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token)
+}
+
+
+def make_query(strategy: str, seg_len: int) -> QueryStrategy:
+    """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"query={strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[strategy](seg_len)

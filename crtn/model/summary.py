@@ -1,16 +1,29 @@
 """Summaries of an L x d block of top-layer states into a cache key or a query (SPEC §3).
 
-| summary      | of Y in R^{L x d}                                    | d_key    |
-|--------------|------------------------------------------------------|----------|
-| identity     | flat(Y)                                              | L * d    |
-| linear       | Linear(flat(Y)), tanh optional                       | d_key    |
-| last_state   | Y[L]; for a query window, the row of token j         | d        |
-| mean, max    | pooling over rows                                    | d        |
-| token_max    | keys keep all L rows; score = max_r <q, Y[r]>         | d        |
+| summary      | of Y in R^{L x d}                                    | d_key    | pairs with      |
+|--------------|------------------------------------------------------|----------|-----------------|
+| identity     | flat(Y)                                              | L * d    | window queries  |
+| linear       | Linear(flat(Y)), tanh optional                       | d_key    | window queries  |
+| last_state   | Y[L]; for a query window, the row of token j         | d        | both            |
+| mean, max    | pooling over rows                                    | d        | both            |
+| token_max    | keys keep all L rows; score = max_r <q, Y[r]>         | d        | token queries   |
 
 Keys are summaries of a cached segment's top layer (seed 003, "3 更新 Memory":
 3.1 identity, 3.2 linear); queries are the same summary applied to each token's
 window (seed 003, "1 查询"). Scores are scaled dot products, s = <q, k> / sqrt(d_key).
+
+Each summary is a small class registered in :data:`SUMMARIES` under its config name
+(``summary.name``). A class states what the rest of the model needs to know about it:
+
+- ``kinds``: the query kinds it pairs with (``"window"``: strategies that build an
+  L x d window per token; ``"token"``: strategies that give one vector per token);
+- ``key_is_view``: the key is a view of the stored top-layer states (nothing is stored
+  besides the values; the cache asks :meth:`Summary.key` when it scores);
+- ``row_keys``: a slot's key is several vectors (one per row), not one (no faiss index);
+- ``length_bound``: its weights are built for one segment length L, so L cannot change
+  at evaluation.
+
+A new summary is one class here (plus ``conf/summary/NAME.yaml``); see CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -20,64 +33,41 @@ import math
 import torch
 from torch import Tensor, nn
 
+WINDOW, TOKEN = "window", "token"
+
 
 class Summary(nn.Module):
-    """Key/query summary shared by the cache and the query strategies.
+    """Key/query summary shared by the cache and the query strategies (base class).
 
     Args:
-        name: identity | linear | last_state | mean | max | token_max.
         seg_len: L, rows of a segment (and of a query window).
         d_model: d, width of a row.
-        d_key: output width of ``linear`` (default d); ignored otherwise.
-        tanh: apply tanh after ``linear``.
+        d_key: output width where configurable (``linear``); None: the summary's own.
+        tanh: apply tanh to the output where supported (``linear``).
+
+    Subclasses implement :meth:`key` and :meth:`query`; scoring is the scaled dot product
+    unless overridden (``token_max``).
     """
 
-    def __init__(self, name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False):
+    name: str = ""
+    kinds: tuple[str, ...] = (WINDOW, TOKEN)
+    key_is_view: bool = False
+    row_keys: bool = False
+    length_bound: bool = False
+
+    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False):
         super().__init__()
-        self.name, self.seg_len, self.d_model, self.tanh = name, seg_len, d_model, tanh
-        if name == "linear":
-            self.proj = nn.Linear(seg_len * d_model, d_key or d_model)
+        self.seg_len, self.d_model, self.tanh = seg_len, d_model, tanh
 
     @property
     def d_key(self) -> int:
         """Width of keys and queries (for ``token_max``: of one row)."""
-        if self.name == "identity":
-            return self.seg_len * self.d_model
-        if self.name == "linear":
-            return self.proj.out_features
         return self.d_model
 
-    def _linear(self, flat: Tensor) -> Tensor:
-        out = self.proj(flat)
-        return torch.tanh(out) if self.tanh else out
-
     def key(self, top: Tensor) -> Tensor:
-        """Key of a segment from its top-layer states.
-
-        Args:
-            top: [..., L, d].
-
-        Returns:
-            [..., d_key]; for ``token_max`` the rows themselves, [..., L, d].
-
-        Raises:
-            ValueError: if L differs from the configured segment length for identity/linear.
-        """
-        if self.name in ("identity", "linear") and top.shape[-2] != self.seg_len:
-            raise ValueError(
-                f"summary={self.name} was built for segments of {self.seg_len} rows, got {top.shape[-2]}"
-            )
-        if self.name == "identity":
-            return top.flatten(-2)
-        if self.name == "linear":
-            return self._linear(top.flatten(-2))
-        if self.name == "last_state":
-            return top[..., -1, :]
-        if self.name == "mean":
-            return top.mean(-2)
-        if self.name == "max":
-            return top.amax(-2)
-        return top  # token_max
+        """Key of a segment from its top-layer states: top [..., L, d] -> [..., d_key]
+        (``token_max``: the rows themselves, [..., L, d])."""
+        raise NotImplementedError
 
     def query(self, window: Tensor, token_row: Tensor) -> Tensor:
         """Query of each token from its window.
@@ -88,42 +78,149 @@ class Summary(nn.Module):
 
         Returns:
             [B, L, d_key].
+
+        Raises:
+            ValueError: the summary pairs only with ``token`` queries (no window query).
         """
-        if self.name == "identity":
-            return window.flatten(-2)
-        if self.name == "linear":
-            return self._linear(window.flatten(-2))
-        if self.name == "last_state":
-            idx = token_row.view(1, -1, 1, 1).expand(window.shape[0], -1, 1, window.shape[-1])
-            return window.gather(2, idx).squeeze(2)
-        if self.name == "mean":
-            return window.mean(2)
-        if self.name == "max":
-            return window.amax(2)
         raise ValueError(f"summary={self.name} has no window query; it pairs with query=token")
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        """Scaled dot-product scores of every query against every key.
+        """Scaled dot-product scores of every query against every key (SPEC §3 step 2).
 
         Args:
             query: [B, L, d_key].
-            keys: [B, N, d_key], or [B, N, Ls, d] for ``token_max``.
+            keys: [B, N, d_key] (``token_max``: [B, N, Ls, d]).
 
         Returns:
-            [B, L, N], s = <q, k> / sqrt(d_key); ``token_max``: max over the key's rows.
+            [B, L, N], s = <q, k> / sqrt(d_key).
         """
-        scale = 1.0 / math.sqrt(self.d_key)
         keys = keys.to(query.dtype)
-        if self.name == "token_max":
-            B, N, Ls, d = keys.shape
-            rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
-            return rows.view(B, -1, N, Ls).amax(-1) * scale
-        return torch.bmm(query, keys.transpose(1, 2)) * scale
+        return torch.bmm(query, keys.transpose(1, 2)) * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         """Scores against given keys per token: query [B, L, d_key], keys [B, L, k, ...] -> [B, L, k]."""
-        scale = 1.0 / math.sqrt(self.d_key)
         keys = keys.to(query.dtype)
-        if self.name == "token_max":
-            return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * scale
-        return torch.einsum("bld,blkd->blk", query, keys) * scale
+        return torch.einsum("bld,blkd->blk", query, keys) * (1.0 / math.sqrt(self.d_key))
+
+    def _check_len(self, top: Tensor) -> None:
+        if top.shape[-2] != self.seg_len:
+            raise ValueError(
+                f"summary={self.name} was built for segments of {self.seg_len} rows, got {top.shape[-2]}"
+            )
+
+
+class Identity(Summary):
+    """flat(Y), d_key = L d (seed 003, 3.1)."""
+
+    name, kinds, key_is_view = "identity", (WINDOW,), True
+
+    @property
+    def d_key(self) -> int:
+        return self.seg_len * self.d_model
+
+    def key(self, top: Tensor) -> Tensor:
+        self._check_len(top)
+        return top.flatten(-2)
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return window.flatten(-2)
+
+
+class Linear(Summary):
+    """Linear(flat(Y)) to d_key (default d), tanh optional (seed 003, 3.2); weights built for L."""
+
+    name, kinds, length_bound = "linear", (WINDOW,), True
+
+    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False):
+        super().__init__(seg_len, d_model, d_key, tanh)
+        self.proj = nn.Linear(seg_len * d_model, d_key or d_model)
+
+    @property
+    def d_key(self) -> int:
+        return self.proj.out_features
+
+    def _linear(self, flat: Tensor) -> Tensor:
+        out = self.proj(flat)
+        return torch.tanh(out) if self.tanh else out
+
+    def key(self, top: Tensor) -> Tensor:
+        self._check_len(top)
+        return self._linear(top.flatten(-2))
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return self._linear(window.flatten(-2))
+
+
+class LastState(Summary):
+    """Y[L] (for a query window: the row of token j), d_key = d; the CRTN paper's key."""
+
+    name = "last_state"
+
+    def key(self, top: Tensor) -> Tensor:
+        return top[..., -1, :]
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        idx = token_row.view(1, -1, 1, 1).expand(window.shape[0], -1, 1, window.shape[-1])
+        return window.gather(2, idx).squeeze(2)
+
+
+class Mean(Summary):
+    """Mean over rows, d_key = d."""
+
+    name = "mean"
+
+    def key(self, top: Tensor) -> Tensor:
+        return top.mean(-2)
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return window.mean(2)
+
+
+class Max(Summary):
+    """Max over rows, d_key = d."""
+
+    name = "max"
+
+    def key(self, top: Tensor) -> Tensor:
+        return top.amax(-2)
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return window.amax(2)
+
+
+class TokenMax(Summary):
+    """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d)."""
+
+    name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
+
+    def key(self, top: Tensor) -> Tensor:
+        return top
+
+    def score(self, query: Tensor, keys: Tensor) -> Tensor:
+        keys = keys.to(query.dtype)
+        B, N, Ls, d = keys.shape
+        rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
+        return rows.view(B, -1, N, Ls).amax(-1) * (1.0 / math.sqrt(self.d_key))
+
+    def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
+        keys = keys.to(query.dtype)
+        return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
+
+
+#: every summary by its config name, in SPEC §3 order
+SUMMARIES: dict[str, type[Summary]] = {
+    cls.name: cls for cls in (Identity, Linear, LastState, Mean, Max, TokenMax)
+}
+
+
+def make_summary(
+    name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False
+) -> Summary:
+    """Build the summary registered as ``name`` (see :data:`SUMMARIES`).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in SUMMARIES:
+        raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
+    return SUMMARIES[name](seg_len, d_model, d_key, tanh)

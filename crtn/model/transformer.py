@@ -1,4 +1,4 @@
-"""The language model: ``vanilla``, ``txl`` (Transformer-XL) and ``crtn`` on one code path (SPEC §2-3).
+"""Transformer-XL (``txl``) and the vanilla Transformer (``vanilla``) (SPEC §2).
 
 Batch-first throughout: tokens [B, L] -> per-token NLL [B, L] (nats) and a new
 :class:`State` that carries the recurrence to the next segment of the same streams.
@@ -6,17 +6,10 @@ Batch-first throughout: tokens [B, L] -> per-token NLL [B, L] (nats) and a new
 - ``vanilla``: relative-position Transformer, each segment sees only itself (mem_len 0).
 - ``txl``: plus the short-term memory S of the last ``mem_len`` positions at every
   layer, gradient-stopped (Dai et al. 2019, segment-level recurrence).
-- ``crtn``: plus the key-value cache of the ``n_slot`` most recent segments that left
-  S. One step (SPEC §3):
 
-    1. query pass: the Transformer over X_t with S (and at least X_{t-1}) as memory and
-       no cache; its top layer R_cur feeds the query strategy -> q_j for every token;
-    2. selection: top-k cached segments and weights alpha per token (``cache.py``);
-    3. main pass: Transformer-XL attention over [retrieved segments; S; X_t], values of
-       retrieved segments scaled by alpha (``attention.py``);
-    4. logits / NLL from the main pass;
-    5. renewal: [S; H_t] at every layer; the oldest L positions that no longer fit in S
-       become a new slot, FIFO.
+CRTN (``crtn.py``) is a subclass that adds the key-value cache of past segments; the
+layers here already accept retrieved segments (``core(cache=...)``), so all three
+models run the same code.
 
 Hidden states are kept at layers 0..n: layer 0 is the (dropped-out) embedding, layer
 i the output of layer i, as in the Transformer-XL release's ``hids``.
@@ -24,6 +17,7 @@ i the output of layer i, as in the Transformer-XL release's ``hids``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,37 +32,38 @@ from crtn.model.attention import (
     RelPartialLearnableDecoderLayer,
 )
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.query import QueryBuilder
-from crtn.model.summary import Summary
 
 
 @dataclass
 class State:
-    """What a batch of streams carries from one segment to the next.
+    """What a batch of streams carries from one segment to the next (Transformer-XL).
 
     Attributes:
         mem: [n+1, B, M, d] short-term memory S (M <= mem_len), gradient-stopped, or None.
         pos: stream position of the next segment's first token (tokens consumed so far).
-        cache: the key-value cache (``crtn`` with ``n_slot > 0``), updated in place.
-        r_prev: [B, L, d] query-pass top layer of the previous segment (crtn), or None.
-        prev_tokens: [B, L] the previous segment's tokens (crtn, ``fixed_length_1``), or None.
+
+    CRTN's state (``crtn.py``) adds the cache and what its query strategies carry.
     """
 
     mem: Tensor | None = None
     pos: int = 0
-    cache: SegmentCache | None = None
-    r_prev: Tensor | None = None
-    prev_tokens: Tensor | None = None
+
+    @property
+    def cache(self) -> SegmentCache | None:
+        """The key-value cache of past segments; None for models without one."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and counters needed to continue exactly (for checkpoints)."""
-        return {
-            "mem": self.mem,
-            "pos": self.pos,
-            "r_prev": self.r_prev,
-            "prev_tokens": self.prev_tokens,
-            "cache": None if self.cache is None else self.cache.state_dict(),
-        }
+        return {"mem": self.mem, "pos": self.pos}
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's hidden-state tensors (memory; CRTN: also R_prev and the cache)."""
+        return _nbytes(self.mem)
+
+
+def _nbytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -90,19 +85,23 @@ class LMOutput:
 
 
 class TransformerLM(nn.Module):
-    """Transformer-XL language model with an optional key-value cache of past segments.
+    """Transformer-XL language model (``model=txl``; SPEC §2), the base of every model here.
 
     Parameter names follow the Transformer-XL release (``word_emb``, ``layers.i.dec_attn``,
     ``layers.i.pos_ff``, ``r_w_bias``, ``r_r_bias``, ``crit``) so that weights convert 1:1.
+    Subclasses state their capabilities: ``has_memory`` (the short-term memory S) and
+    ``has_cache`` (a key-value cache of past segments, :class:`crtn.model.crtn.CRTN`).
 
     Args:
         n_token: vocabulary size.
         model: a :class:`crtn.config.ModelConfig`-like node.
-        cache, query, summary: :class:`~crtn.config.CacheConfig`, ``QueryConfig``,
-            ``SummaryConfig`` nodes; required for ``model.name == "crtn"``.
     """
 
-    def __init__(self, n_token: int, model: Any, cache: Any = None, query: Any = None, summary: Any = None):
+    has_memory = True
+    has_cache = False
+    n_slot = top_k = 0  # cache size and retrieved segments per token (models with a cache)
+
+    def __init__(self, n_token: int, model: Any):
         super().__init__()
         self.name = model.name
         self.n_token, self.n_layer = n_token, model.n_layer
@@ -110,7 +109,7 @@ class TransformerLM(nn.Module):
         d_embed = model.d_embed or model.d_model
         self.d_embed = d_embed
         self.tgt_len = model.tgt_len
-        self.mem_len = 0 if model.name == "vanilla" else model.mem_len
+        self.mem_len = model.mem_len if self.has_memory else 0
         self.clamp_len, self.same_length = model.clamp_len, model.same_length
         self.init_std, self.proj_init_std = model.init_std, model.proj_init_std
 
@@ -124,15 +123,15 @@ class TransformerLM(nn.Module):
             self.r_r_bias = nn.Parameter(torch.zeros(model.n_head, model.d_head))
         self.layers = nn.ModuleList(
             RelPartialLearnableDecoderLayer(
-                model.n_head,
-                model.d_model,
-                model.d_head,
-                model.d_inner,
-                model.dropout,
-                model.dropatt,
-                model.pre_lnorm,
-                model.layer_norm_eps,
-                model.untie_r,
+                n_head=model.n_head,
+                d_model=model.d_model,
+                d_head=model.d_head,
+                d_inner=model.d_inner,
+                dropout=model.dropout,
+                dropatt=model.dropatt,
+                pre_lnorm=model.pre_lnorm,
+                layer_norm_eps=model.layer_norm_eps,
+                untie_r=model.untie_r,
             )
             for _ in range(model.n_layer)
         )
@@ -143,13 +142,6 @@ class TransformerLM(nn.Module):
         self.tie_projs = list(tie_projs)
         self.tie_weight = model.tie_weight
         self.div_val = model.div_val
-
-        self.n_slot = self.top_k = 0
-        if self.name == "crtn":
-            self.cache_cfg, self.query_cfg = cache, query
-            self.n_slot, self.top_k = cache.n_slot, cache.top_k
-            self.summary = Summary(summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh)
-            self.query = QueryBuilder(query.strategy, model.tgt_len)
         self.reset_parameters()
         tie_adaptive_weights(
             self.word_emb, self.crit, model.tie_weight, self.tie_projs, model.d_model, d_embed, model.div_val
@@ -157,10 +149,14 @@ class TransformerLM(nn.Module):
 
     # ----------------------------------------------------------------- set-up
     def reset_parameters(self) -> None:
+        """Transformer-XL's initialisation of every parameter (:meth:`init_parameters`)."""
+        self.init_parameters(self.named_parameters())
+
+    def init_parameters(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
         """Transformer-XL's initialisation: N(0, init_std) weights, N(1, init_std) LayerNorm
-        gains, zero biases, N(0, proj_init_std) adaptive projections."""
+        gains, zero biases, N(0, proj_init_std) adaptive projections, drawn in the given order."""
         std, pstd = self.init_std, self.proj_init_std
-        for name, p in self.named_parameters():
+        for name, p in named:
             leaf = name.rsplit(".", 1)[-1]
             if "emb_projs" in name or "out_projs" in name:
                 nn.init.normal_(p, 0.0, pstd)
@@ -185,63 +181,32 @@ class TransformerLM(nn.Module):
     ) -> None:
         """Change lengths for evaluation (SPEC §5); states made before become invalid.
 
-        Raises:
-            ValueError: a new tgt_len with a summary or query whose weights depend on L.
+        ``mem_len`` is ignored by models without memory, ``n_slot`` and ``top_k`` by models
+        without a cache (so one call serves every model).
         """
-        if tgt_len is not None and tgt_len != self.tgt_len and self.name == "crtn":
-            if self.summary.name == "linear" or self.query.strategy == "linear":
-                raise ValueError(
-                    f"eval.tgt_len={tgt_len} differs from the trained tgt_len={self.tgt_len}, but "
-                    f"summary={self.summary.name} / query={self.query.strategy} has weights built for it"
-                )
         if tgt_len is not None:
             self.tgt_len = tgt_len
-            if self.name == "crtn":
-                self.summary.seg_len = self.query.seg_len = tgt_len
-        if mem_len is not None and self.name != "vanilla":
+        if mem_len is not None and self.has_memory:
             self.mem_len = mem_len
         if clamp_len is not None:
             self.clamp_len = clamp_len
         if same_length is not None:
             self.same_length = same_length
-        if n_slot is not None and self.name == "crtn":
-            self.n_slot = n_slot
-        if top_k is not None and self.name == "crtn":
-            self.top_k = top_k
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> State:
-        """A fresh state (empty memory and cache) for ``batch_size`` streams."""
-        cache = None
-        if self.name == "crtn" and self.n_slot > 0 and self.top_k > 0:
-            c = self.cache_cfg
-            cache = SegmentCache(
-                self.n_slot,
-                batch_size,
-                c.renew,
-                c.dtype,
-                c.backend,
-                {
-                    "index": c.faiss_index,
-                    "hnsw_m": c.hnsw_m,
-                    "hnsw_ef_search": c.hnsw_ef_search,
-                    "hnsw_ef_construction": c.hnsw_ef_construction,
-                },
-            )
-        return State(cache=cache)
+        """A fresh state (empty memory) for ``batch_size`` streams."""
+        return State()
 
     def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> State:
         """Rebuild a :class:`State` from :meth:`State.state_dict` on ``device``."""
         state = self.init_state(batch_size, device)
-
-        def dev(t):
-            return None if t is None else t.to(device)
-
-        state.mem, state.pos = dev(sd["mem"]), sd["pos"]
-        state.r_prev, state.prev_tokens = dev(sd["r_prev"]), dev(sd["prev_tokens"])
-        if state.cache is not None and sd["cache"] is not None:
-            state.cache.load_state_dict(sd["cache"])
-            state.cache.to(device)
+        state.mem, state.pos = _to(sd["mem"], device), sd["pos"]
         return state
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the model's parameters."""
+        return self.layers[0].dec_attn.r_net.weight.dtype
 
     # ------------------------------------------------------------------ passes
     def _attn_mask(self, L: int, M: int, device: torch.device) -> Tensor:
@@ -296,8 +261,18 @@ class TransformerLM(nn.Module):
         r_w = None if self.untie_r else self.r_w_bias
         r_r = None if self.untie_r else self.r_r_bias
         for i, layer in enumerate(self.layers):
-            kv = None if mem_kv is None else mem_kv[i]
-            h = layer(h, pos_emb, r_w, r_r, mask, None if M == 0 else mem[i], cache, i, real_pos, kv)
+            h = layer(
+                h,
+                pos_emb,
+                r_w_bias=r_w,
+                r_r_bias=r_r,
+                attn_mask=mask,
+                mem=None if M == 0 else mem[i],
+                cache=cache,
+                layer=i,
+                real_pos=real_pos,
+                mem_kv=None if mem_kv is None else mem_kv[i],
+            )
             hids.append(h)
         return hids, self.drop(h)
 
@@ -328,9 +303,8 @@ class TransformerLM(nn.Module):
             tokens: [B, L] input ids (L <= tgt_len; a shorter final segment is allowed).
             target: [B, L] next-token ids, or None.
             state: the state after the previous segment; None starts fresh streams.
-            update: False computes the outputs without renewing the cache or counting
-                slot usage (generation re-runs a partial segment this way); the returned
-                state is then the given one.
+            update: False computes the outputs without renewing memory (or cache), e.g.
+                generation re-running a partial segment; the returned state is then the given one.
 
         Returns:
             :class:`LMOutput` with ``nll`` [B, L] in nats when ``target`` is given.
@@ -338,8 +312,6 @@ class TransformerLM(nn.Module):
         B, L = tokens.shape
         if state is None:
             state = self.init_state(B, tokens.device)
-        if state.cache is not None:
-            return self._forward_crtn(tokens, target, state, update)
         hids, out = self.core(tokens, state.mem)
         nll = None if target is None else self.crit(out, target)
         if not update:
@@ -347,91 +319,13 @@ class TransformerLM(nn.Module):
         _, new_mem = self._append(state.mem, hids)
         return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L))
 
-    # -------------------------------------------------------------------- CRTN
-    def _query_memory(self, state: State, L: int) -> Tensor | None:
-        """Memory of the query pass: S, and at least the stored states of X_{t-1} (SPEC §3 step 1)."""
-        mem, cache = state.mem, state.cache
-        if mem is not None and mem.shape[2] >= L:
-            return mem
-        if cache is not None and cache.n_insert > 0:
-            newest = cache.newest_states().to(self.dtype)
-            return newest if mem is None or mem.shape[2] == 0 else torch.cat([newest, mem], 2)
-        return mem
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """Compute dtype of the model's parameters."""
-        return self.layers[0].dec_attn.r_net.weight.dtype
+class VanillaLM(TransformerLM):
+    """The "vanilla" relative-position Transformer (``model=vanilla``): no memory, every
+    segment sees only itself (the baseline of the Transformer-XL paper)."""
 
-    def _core_top(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
-        return self.core(tokens, mem, extra_mask=extra_mask)[0][-1]
+    has_memory = False
 
-    def _forward_crtn(self, tokens: Tensor, target: Tensor | None, state: State, update: bool) -> LMOutput:
-        B, L = tokens.shape
-        cache = state.cache
-        assert cache is not None
-        cache.commit()
-        t0, nv = state.pos, cache.n_valid
-        seg = cache.seg_len if cache.values is not None else self.tgt_len
-        qb = self.query
-        ctx, real_pos, selection, r_cur = None, None, None, None
-        mem_kv = self.memory_kv(state.mem)
-        if nv > 0 or qb.needs_r_prev:
-            grad = (
-                torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted and not self.query_cfg.detach
-            )
-            with torch.set_grad_enabled(grad):
-                qmem = self._query_memory(state, seg)
-                if qb.needs_query_pass:
-                    shared = mem_kv if qmem is state.mem else None
-                    r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
-                if nv > 0:
-                    r_prev = state.r_prev
-                    if r_prev is None and qb.needs_r_prev:
-                        r_prev = torch.zeros(B, seg, self.d_model, dtype=self.dtype, device=tokens.device)
-                    prev_tokens = state.prev_tokens
-                    if prev_tokens is None:
-                        prev_tokens = torch.zeros(B, seg, dtype=tokens.dtype, device=tokens.device)
-                    prev_states = None if qmem is None else qmem[:, :, -seg:]
-                    fast = qb.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
-                    q = None
-                    if fast is None:  # build the queries; the fast path scores keys directly
-                        q = qb(self.summary, r_prev, r_cur, self._core_top, tokens, prev_tokens, prev_states)
-                    selection = cache.select(
-                        q,
-                        self.summary,
-                        self.top_k,
-                        self.cache_cfg.alpha_norm,
-                        t0,
-                        count=update,
-                        score_fn=fast,
-                    )
-            if selection is not None:
-                ctx = CacheContext(
-                    cache.values,
-                    selection.flat_index,
-                    selection.alpha,
-                    self.cache_cfg.weighted,
-                    selection.age,
-                )
-                if self.cache_cfg.pos == "real":
-                    real_pos = RealPositions(self.pos_emb, selection.age, seg, L, self.clamp_len, self.dtype)
-        hids, out = self.core(tokens, state.mem, ctx, real_pos, mem_kv=mem_kv)
-        nll = None if target is None else self.crit(out, target)
-        if not update:
-            return LMOutput(nll, out, state, selection)
 
-        cat, new_mem = self._append(state.mem, hids)
-        over = cat.shape[2] - self.mem_len
-        if over > 0 and over == seg and L == seg:
-            slot_states = cat[:, :, :over]
-            key = None
-            if self.summary.name not in ("identity", "token_max"):
-                with torch.no_grad():
-                    key = self.summary.key(slot_states[-1])
-            cache.insert(slot_states, key, t0 - (cat.shape[2] - L), self.summary)
-        r_prev = None if r_cur is None else r_cur.detach()
-        new_state = State(
-            mem=new_mem, pos=t0 + L, cache=cache, r_prev=r_prev, prev_tokens=tokens if L == seg else None
-        )
-        return LMOutput(nll, out, new_state, selection)
+def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if t is None else t.to(device)

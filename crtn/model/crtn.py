@@ -1,0 +1,272 @@
+"""The cache-based recurrent transformer network, CRTN (SPEC §3): Transformer-XL plus a
+key-value cache of the ``n_slot`` most recent segments that left the short-term memory.
+
+One step for segment X_t (SPEC §3):
+
+1. query pass: the Transformer over X_t with S (and at least X_{t-1}) as memory and no
+   cache; its top layer R_cur feeds the query strategy -> q_j for every token j;
+2. selection: top-k cached segments and weights alpha per token (``cache.py``);
+3. main pass: Transformer-XL attention over [retrieved segments; S; X_t], values of the
+   retrieved segments scaled by alpha (``attention.py``);
+4. logits / NLL from the main pass;
+5. renewal: [S; H_t] at every layer; the oldest L positions that no longer fit in S
+   become a new slot, FIFO (or least-used).
+
+Dependency range m + N L tokens (:func:`dependency_range`) for the attention cost of
+about m + (k+1) L. With ``n_slot = 0`` or ``top_k = 0`` the model is exactly
+Transformer-XL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from crtn.model.attention import CacheContext, RealPositions
+from crtn.model.cache import SegmentCache, Selection
+from crtn.model.query import QueryInputs, make_query
+from crtn.model.summary import make_summary
+from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
+
+
+def dependency_range(mem_len: int, n_slot: int, tgt_len: int) -> int:
+    """CRTN's dependency range in tokens, m + N L (SPEC §3); Transformer-XL's is m (N = 0)."""
+    return int(mem_len) + int(n_slot) * int(tgt_len)
+
+
+@dataclass
+class CRTNState(State):
+    """A CRTN stream's state: Transformer-XL's plus the cache and the query strategies' inputs.
+
+    Attributes:
+        cache: the key-value cache (``n_slot > 0`` and ``top_k > 0``), updated in place.
+        r_prev: [B, L, d] query-pass top layer of the previous segment, or None.
+        prev_tokens: [B, L] the previous segment's tokens, or None.
+    """
+
+    cache: SegmentCache | None = None  # type: ignore[assignment]  # a field here, None in State
+    r_prev: Tensor | None = None
+    prev_tokens: Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and counters needed to continue exactly (for checkpoints)."""
+        return {
+            **super().state_dict(),
+            "r_prev": self.r_prev,
+            "prev_tokens": self.prev_tokens,
+            "cache": None if self.cache is None else self.cache.state_dict(),
+        }
+
+    def nbytes(self) -> int:
+        cache = self.cache
+        stored = (None, None) if cache is None else (cache.values, cache.keys)
+        return super().nbytes() + _nbytes(self.r_prev, *stored)
+
+
+class CRTN(TransformerLM):
+    """Transformer-XL with a key-value cache of past segments (``model=crtn``, SPEC §3).
+
+    Args:
+        n_token: vocabulary size.
+        model: :class:`crtn.config.ModelConfig`-like node.
+        cache, query, summary: ``CacheConfig``, ``QueryConfig``, ``SummaryConfig`` nodes.
+
+    Modules beyond Transformer-XL: ``summary`` (keys and window queries, ``summary.py``)
+    and ``query`` (the strategy, ``query.py``); their parameter names (``summary.proj``,
+    ``query.seq_linear``) are stable across versions.
+    """
+
+    has_cache = True
+
+    def __init__(self, n_token: int, model: Any, cache: Any, query: Any, summary: Any):
+        super().__init__(n_token, model)
+        self.cache_cfg, self.query_cfg = cache, query
+        self.n_slot, self.top_k = cache.n_slot, cache.top_k
+        self.summary = make_summary(summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh)
+        self.query = make_query(query.strategy, model.tgt_len)
+        # initialised after the Transformer-XL parameters, in registration order
+        self.init_parameters(
+            (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
+        )
+
+    def reset_length(
+        self,
+        tgt_len: int | None = None,
+        mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
+        n_slot: int | None = None,
+        top_k: int | None = None,
+    ) -> None:
+        """Change lengths and the cache size for evaluation (SPEC §5).
+
+        Raises:
+            ValueError: a new tgt_len with a summary or query whose weights depend on L.
+        """
+        if tgt_len is not None and tgt_len != self.tgt_len:
+            if self.summary.length_bound or self.query.length_bound:
+                raise ValueError(
+                    f"eval.tgt_len={tgt_len} differs from the trained tgt_len={self.tgt_len}, but "
+                    f"summary={self.summary.name} / query={self.query.strategy} has weights built for it"
+                )
+        super().reset_length(tgt_len, mem_len, clamp_len, same_length)
+        if tgt_len is not None:
+            self.summary.seg_len = self.query.seg_len = tgt_len
+        if n_slot is not None:
+            self.n_slot = n_slot
+        if top_k is not None:
+            self.top_k = top_k
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
+        """A fresh state (empty memory and cache) for ``batch_size`` streams."""
+        cache = None
+        if self.n_slot > 0 and self.top_k > 0:
+            c = self.cache_cfg
+            cache = SegmentCache(
+                self.n_slot,
+                batch_size,
+                self.summary,
+                renew=c.renew,
+                dtype=c.dtype,
+                backend=c.backend,
+                faiss_opts={
+                    "index": c.faiss_index,
+                    "hnsw_m": c.hnsw_m,
+                    "hnsw_ef_search": c.hnsw_ef_search,
+                    "hnsw_ef_construction": c.hnsw_ef_construction,
+                },
+            )
+        return CRTNState(cache=cache)
+
+    def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> CRTNState:
+        """Rebuild a :class:`CRTNState` from :meth:`CRTNState.state_dict` on ``device``."""
+        state = super().load_state(sd, batch_size, device)
+        state.r_prev, state.prev_tokens = _to(sd.get("r_prev"), device), _to(sd.get("prev_tokens"), device)
+        if state.cache is not None and sd.get("cache") is not None:
+            state.cache.load_state_dict(sd["cache"])
+            state.cache.to(device)
+        return state
+
+    # -------------------------------------------------------------------- step
+    def forward(
+        self, tokens: Tensor, target: Tensor | None = None, state: State | None = None, update: bool = True
+    ) -> LMOutput:
+        """One CRTN step over a segment of every stream (module docstring, steps 1-5).
+
+        Args and returns as :meth:`TransformerLM.forward`; ``update=False`` also leaves the
+        cache untouched (no renewal, no usage counts). ``LMOutput.selection`` holds the
+        retrieval of this step (None while the cache is empty).
+        """
+        B, L = tokens.shape
+        if state is None:
+            state = self.init_state(B, tokens.device)
+        cache = state.cache
+        if cache is None:  # n_slot = 0 or top_k = 0: Transformer-XL
+            return super().forward(tokens, target, state, update)
+        cache.commit()
+        seg = cache.seg_len if cache.values is not None else self.tgt_len
+        mem_kv = self.memory_kv(state.mem)
+        r_cur, selection = None, None
+        if cache.n_valid > 0 or self.query.needs_r_prev:
+            r_cur, selection = self._retrieve(tokens, state, seg, mem_kv, update)
+        ctx, real_pos = None, None
+        if selection is not None:
+            ctx = CacheContext(
+                cache.values, selection.flat_index, selection.alpha, self.cache_cfg.weighted, selection.age
+            )
+            if self.cache_cfg.pos == "real":
+                real_pos = RealPositions(self.pos_emb, selection.age, seg, L, self.clamp_len, self.dtype)
+        hids, out = self.core(tokens, state.mem, ctx, real_pos, mem_kv=mem_kv)
+        nll = None if target is None else self.crit(out, target)
+        if not update:
+            return LMOutput(nll, out, state, selection)
+        new_mem = self._renew(state, hids, seg, L)
+        new_state = CRTNState(
+            mem=new_mem,
+            pos=state.pos + L,
+            cache=cache,
+            r_prev=None if r_cur is None else r_cur.detach(),
+            prev_tokens=tokens if L == seg else None,
+        )
+        return LMOutput(nll, out, new_state, selection)
+
+    def _retrieve(
+        self, tokens: Tensor, state: CRTNState, seg: int, mem_kv: list[Tensor] | None, update: bool
+    ) -> tuple[Tensor | None, Selection | None]:
+        """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection."""
+        cache = state.cache
+        assert cache is not None
+        nv, qs = cache.n_valid, self.query
+        grad = torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted and not self.query_cfg.detach
+        r_cur, selection = None, None
+        with torch.set_grad_enabled(grad):
+            qmem = self._query_memory(state, seg)
+            if qs.needs_query_pass:
+                shared = mem_kv if qmem is state.mem else None
+                r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
+            if nv > 0:
+                fast = qs.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
+                q = None
+                if fast is None:  # build the queries; the fast path scores keys directly
+                    q = qs(self.summary, self._query_inputs(tokens, state, seg, qmem, r_cur))
+                selection = cache.select(
+                    q,
+                    top_k=self.top_k,
+                    alpha_norm=self.cache_cfg.alpha_norm,
+                    t0=state.pos,
+                    count=update,
+                    score_fn=fast,
+                )
+        return r_cur, selection
+
+    def _query_inputs(
+        self, tokens: Tensor, state: CRTNState, seg: int, qmem: Tensor | None, r_cur: Tensor | None
+    ) -> QueryInputs:
+        """What the strategy reads; R_prev and X_{t-1} are zeros before the first segment."""
+        B = tokens.shape[0]
+        qs = self.query
+        r_prev = state.r_prev
+        if r_prev is None and qs.needs_r_prev:
+            r_prev = torch.zeros(B, seg, self.d_model, dtype=self.dtype, device=tokens.device)
+        prev_tokens = state.prev_tokens
+        if prev_tokens is None and qs.needs_prev_tokens:
+            prev_tokens = torch.zeros(B, seg, dtype=tokens.dtype, device=tokens.device)
+        return QueryInputs(
+            r_cur=r_cur,
+            r_prev=r_prev,
+            core=self._core_top,
+            tokens=tokens,
+            prev_tokens=prev_tokens,
+            prev_states=None if qmem is None else qmem[:, :, -seg:],
+        )
+
+    def _renew(self, state: CRTNState, hids: list[Tensor], seg: int, L: int) -> Tensor | None:
+        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot. Returns the new S."""
+        cache = state.cache
+        assert cache is not None
+        cat, new_mem = self._append(state.mem, hids)
+        over = cat.shape[2] - self.mem_len
+        if over > 0 and over == seg and L == seg:
+            slot_states = cat[:, :, :over]
+            key = None
+            if not self.summary.key_is_view:
+                with torch.no_grad():
+                    key = self.summary.key(slot_states[-1])
+            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L))
+        return new_mem
+
+    def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
+        """Memory of the query pass: S, and at least the stored states of X_{t-1} (SPEC §3 step 1)."""
+        mem, cache = state.mem, state.cache
+        if mem is not None and mem.shape[2] >= L:
+            return mem
+        if cache is not None and cache.n_insert > 0:
+            newest = cache.newest_states().to(self.dtype)
+            return newest if mem is None or mem.shape[2] == 0 else torch.cat([newest, mem], 2)
+        return mem
+
+    def _core_top(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
+        return self.core(tokens, mem, extra_mask=extra_mask)[0][-1]
