@@ -51,6 +51,12 @@ class ModelConfig:
     d_embed: int | None = None  # None: d_model
     dropout: float = 0.1
     dropatt: float = 0.0
+    # regularisation of the CRTN authors' recipe (off by default; see crtn/model/dropout.py)
+    dropemb: float = 0.0  # word dropout: whole word types (embedding rows) dropped per forward call
+    dropinp: float | None = None  # dropout on word and position embeddings; None: dropout
+    dropfor: float | None = None  # dropout inside the feed-forward; None: dropout
+    dropatt_out: float | None = None  # dropout on the attention output; None: dropout
+    locked_dropout: bool = False  # variational dropout (one mask per sequence) except dropatt/dropemb
     tgt_len: int = 64  # L: tokens predicted per step
     mem_len: int = 64  # m: short-term memory, positions per layer
     clamp_len: int = -1  # relative distances above this use clamp_len's embedding; -1: none
@@ -72,7 +78,8 @@ class CacheConfig:
 
     n_slot: int = 16  # N: past segments held per batch row
     top_k: int = 2  # k: segments retrieved per query token
-    alpha_norm: str = "all"  # all | topk: softmax over all valid slots or over the top-k
+    alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
+    theta: float = 1.0  # temperature multiplying the retrieval scores before the softmax
     weighted: bool = True  # values scaled by alpha (keys never are)
     pos: str = "concat"  # concat | real: relative positions of retrieved segments
     backend: str = "torch"  # torch | faiss
@@ -90,6 +97,7 @@ class QueryConfig:
 
     strategy: str = "token"
     detach: bool = False  # stop gradients from the retrieval weights into the query pass
+    tanh: bool = False  # tanh on the queries (strategies with their own weights: linear, single_linear)
 
 
 @dataclass

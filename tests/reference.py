@@ -152,38 +152,68 @@ def naive_segment(
 
 
 # ----------------------------------------------------------------- CRTN recurrence
-def naive_key(summary, top: Tensor) -> Tensor:
-    """Key of a slot from its top layer Y [Ls, d] (SPEC §3 summaries)."""
+def naive_conv(summary, top: Tensor) -> Tensor:
+    """The authors' conv summary from its definition, with explicit loops: Y [L, d] -> [d].
+
+    Channel h's signal is x_h[r*w + c] = Y[r, h*w + c] (w = d/H), zero-padded by p on both
+    sides; output o of channel g is bias[g] + sum_{h,c} W[g, h, c] * xpad_h[o*L + c].
+    """
+    L, d = top.shape
+    conv = summary.conv
+    H = conv.in_channels
+    w, p, stride = d // H, conv.padding[0], conv.stride[0]
+    n_out = (L * w + 2 * p - w) // stride + 1
+
+    def xpad(h: int, i: int) -> Tensor:
+        t = i - p
+        return top[t // w, h * w + t % w] if 0 <= t < L * w else top.new_zeros(())
+
+    out = []
+    for g in range(H):
+        for o in range(n_out):
+            acc = conv.bias[g]
+            for h in range(H):
+                for c in range(w):
+                    acc = acc + conv.weight[g, h, c] * xpad(h, o * stride + c)
+            out.append(acc)
+    return torch.stack(out)
+
+
+def naive_summary(summary, top: Tensor, token_row: int | None) -> Tensor:
+    """A summary of Y [L, d] from its definition (SPEC §3 table; the authors' sum, weighted_sum,
+    conv); ``last_state`` takes row ``token_row`` (the last row for keys)."""
     name = summary.name
     if name == "identity":
         return top.reshape(-1)
     if name == "linear":
-        k = summary.proj(top.reshape(-1))
+        k = summary.proj.weight @ top.reshape(-1) + summary.proj.bias
         return torch.tanh(k) if summary.tanh else k
     if name == "last_state":
-        return top[-1]
+        return top[-1 if token_row is None else token_row]
     if name == "mean":
-        return top.mean(0)
+        return top.sum(0) / top.shape[0]
     if name == "max":
         return top.max(0).values
-    return top  # token_max: all rows
+    if name == "sum":
+        return top.sum(0)
+    if name == "weighted_sum":
+        w = summary.row_weight.weight[0]
+        return sum(w[r] * top[r] for r in range(top.shape[0]))
+    if name == "conv":
+        return naive_conv(summary, top)
+    raise AssertionError(name)
+
+
+def naive_key(summary, top: Tensor) -> Tensor:
+    """Key of a slot from its top layer Y [Ls, d] (token_max: all rows)."""
+    return top if summary.name == "token_max" else naive_summary(summary, top, None)
 
 
 def naive_query_summary(summary, window: Tensor, token_row: int) -> Tensor:
     """q = summary(W_j), W_j [L, d]; ``last_state`` takes row ``token_row``."""
-    name = summary.name
-    if name == "identity":
-        return window.reshape(-1)
-    if name == "linear":
-        q = summary.proj(window.reshape(-1))
-        return torch.tanh(q) if summary.tanh else q
-    if name == "last_state":
-        return window[token_row]
-    if name == "mean":
-        return window.mean(0)
-    if name == "max":
-        return window.max(0).values
-    raise AssertionError(name)
+    if summary.name == "token_max":
+        raise AssertionError("token_max has no window query")
+    return naive_summary(summary, window, token_row)
 
 
 def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
@@ -198,7 +228,39 @@ class Slot:
     states: Tensor  # [n+1, Ls, d]
     key: Tensor
     pos: int
-    usage: int = 0
+    usage: int = 0  # tokens that selected it
+    scored: int = 0  # tokens that scored it
+
+
+def naive_alpha(s: Tensor, top: list[int], norm: str) -> dict[int, Tensor]:
+    """Weights of the selected slots ``top`` from the (theta-scaled) scores s [n] (SPEC §3 step 2):
+    ``all``: softmax over all slots; ``topk``: softmax over the selected scores; ``original``:
+    k softmax of the selected entries of p = softmax(s) (the authors' code)."""
+    if norm == "all":
+        p = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+        return {i: p[i] for i in top}
+    sel = torch.stack([s[i] for i in top])
+    if norm == "original":
+        p = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+        sel = torch.stack([p[i] for i in top])
+    w = torch.exp(sel - sel.max()) / torch.exp(sel - sel.max()).sum()
+    if norm == "original":
+        w = len(top) * w
+    return dict(zip(top, w))
+
+
+def naive_evict(slots: list[Slot], renew: str) -> int:
+    """Index of the slot to drop: fifo the oldest; least_used the fewest selections;
+    discard_worst the lowest selected/scored ratio (unscored slots kept); ties to the oldest."""
+    if renew == "fifo":
+        return min(range(len(slots)), key=lambda i: slots[i].pos)
+    if renew == "least_used":
+        return min(range(len(slots)), key=lambda i: (slots[i].usage, slots[i].pos))
+
+    def ratio(sl: Slot) -> float:
+        return sl.usage / sl.scored if sl.scored > 0 else math.inf
+
+    return min(range(len(slots)), key=lambda i: (ratio(slots[i]), slots[i].pos))
 
 
 @dataclass
@@ -213,7 +275,7 @@ class NaiveCRTN:
     """The CRTN recurrence of SPEC §3 for one stream, written from the definitions.
 
     Uses the model's parameters and its config (strategy, summary, n_slot, top_k,
-    alpha_norm, weighted, pos, renew). ``step`` returns the per-token NLL and, per token,
+    alpha_norm, theta, weighted, pos, renew, query.detach, query.tanh). ``step`` returns the per-token NLL and, per token,
     the selected (slot position, alpha) pairs.
     """
 
@@ -226,8 +288,26 @@ class NaiveCRTN:
         c = self.m.cache_cfg
         return naive_segment(self.m, tokens, mem, t0, retrieved, c.pos, c.weighted, hide_mem)
 
+    def _queries(self, tokens, r_cur, qmem, t0) -> list[Tensor]:
+        """q_j for every token (SPEC §3 table; single_linear and query.tanh from the authors' code).
+        ``query.detach``: no gradient into the query pass (R_cur, the fixed_length passes)."""
+        m, qc = self.m, self.m.query_cfg
+        if qc.detach:
+            r_cur = r_cur.detach()
+        strategy = m.query.strategy
+        if strategy == "token":
+            return [r_cur[j] for j in range(self.L)]
+        if strategy == "single_linear":
+            proj = m.query.proj
+            qs = [proj.weight @ r_cur[j] + proj.bias for j in range(self.L)]
+        else:
+            wins, rows = self._windows(tokens, r_cur, qmem, t0)
+            qs = [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
+        return [torch.tanh(q) for q in qs] if qc.tanh else qs
+
     def _windows(self, tokens, r_cur, qmem, t0):
         m, L, st = self.m, self.L, self.row
+        detach = m.query_cfg.detach
         strategy = m.query.strategy
         d = m.d_model
         r_prev = st.r_prev if st.r_prev is not None else torch.zeros(L, d, dtype=r_cur.dtype)
@@ -251,11 +331,13 @@ class NaiveCRTN:
             elif strategy == "fixed_length_1":
                 prev = st.prev_tokens if st.prev_tokens is not None else torch.zeros(L, dtype=tokens.dtype)
                 raw = torch.cat([prev, tokens])[j + 1 : j + 1 + L]
-                wins.append(naive_segment(m, raw, None, 0)[-1])
+                top = naive_segment(m, raw, None, 0)[-1]
+                wins.append(top.detach() if detach else top)
                 rows.append(L - 1)
             elif strategy == "fixed_length_2":
                 prev_states = [x[-L:] for x in qmem]  # stored states of X_{t-1}
                 t_j = naive_segment(m, tokens[: j + 1], prev_states, t0, hide_mem=j + 1)[-1]
+                t_j = t_j.detach() if detach else t_j
                 wins.append(torch.cat([r_prev[j + 1 :], t_j], 0))
                 rows.append(L - 1)
             else:
@@ -278,25 +360,20 @@ class NaiveCRTN:
         selected: list[list[tuple[int, float]]] = [[] for _ in range(L)]
         retrieved = None
         if st.slots and m.top_k > 0:
-            if m.query.strategy == "token":
-                queries = [r_cur[j] for j in range(L)]
-            else:
-                wins, rows = self._windows(tokens, r_cur, qmem, t0)
-                queries = [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
+            queries = self._queries(tokens, r_cur, qmem, t0)
             retrieved = []
             k = min(m.top_k, len(st.slots))
             for j in range(L):
-                s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
+                s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots]) * c.theta
                 top = sorted(range(len(st.slots)), key=lambda i: -float(s[i].detach()))[:k]
-                if c.alpha_norm == "all":
-                    alpha = {i: torch.softmax(s, 0)[i] for i in top}
-                else:
-                    alpha = dict(zip(top, torch.softmax(s[top], 0)))
+                alpha = naive_alpha(s, top, c.alpha_norm)
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
                 retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])
                 selected[j] = [(st.slots[i].pos, float(alpha[i].detach())) for i in top]
                 for i in top:
                     st.slots[i].usage += 1
+                for sl in st.slots:
+                    sl.scored += 1
         hs = self._pass(tokens, st.mem, t0, retrieved)
         logp = m.crit.log_prob(F.dropout(hs[-1], 0.0))
         nll = -logp.gather(-1, target[:, None])[:, 0]
@@ -308,11 +385,7 @@ class NaiveCRTN:
             states = torch.stack([x[:over] for x in cat])
             key = naive_key(m.summary, states[-1]).detach()
             if len(st.slots) == m.n_slot:
-                if c.renew == "fifo":
-                    drop = min(range(len(st.slots)), key=lambda i: st.slots[i].pos)
-                else:
-                    drop = min(range(len(st.slots)), key=lambda i: (st.slots[i].usage, st.slots[i].pos))
-                st.slots.pop(drop)
+                st.slots.pop(naive_evict(st.slots, c.renew))
             st.slots.append(Slot(states.detach(), key, t0 - M))
         st.mem = [x[x.shape[0] - m.mem_len :].detach() for x in cat] if m.mem_len > 0 else None
         st.r_prev = r_cur.detach()

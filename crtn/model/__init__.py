@@ -33,7 +33,7 @@ from crtn.model.cache import (
 )
 from crtn.model.crtn import CRTN, CRTNState, dependency_range
 from crtn.model.query import STRATEGIES, QueryStrategy
-from crtn.model.summary import SUMMARIES, Summary
+from crtn.model.summary import SUMMARIES, Summary, conv_out_len
 from crtn.model.transformer import LMOutput, State, TransformerLM, VanillaLM
 
 __all__ = [
@@ -98,8 +98,10 @@ def _validate_transformer(model: Any) -> None:
         raise ConfigError(f"model.mem_len={model.mem_len} must be >= 0")
     if model.d_embed is not None and model.d_embed <= 0:
         raise ConfigError(f"model.d_embed={model.d_embed} must be > 0")
-    if not 0.0 <= model.dropout < 1.0 or not 0.0 <= model.dropatt < 1.0:
-        raise ConfigError("model.dropout and model.dropatt must be in [0, 1)")
+    for key in ("dropout", "dropatt", "dropemb", "dropinp", "dropfor", "dropatt_out"):
+        value = getattr(model, key)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise ConfigError(f"model.{key}={value} must be in [0, 1)")
     if model.div_val < 1:
         raise ConfigError(f"model.div_val={model.div_val} must be >= 1")
     if list(model.cutoffs) != sorted(set(model.cutoffs)) or any(c <= 0 for c in model.cutoffs):
@@ -119,6 +121,8 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
         )
     if cache.n_slot < 0 or cache.top_k < 0:
         raise ConfigError(f"cache.n_slot={cache.n_slot} and cache.top_k={cache.top_k} must be >= 0")
+    if not cache.theta > 0:
+        raise ConfigError(f"cache.theta={cache.theta} must be > 0")
     _choice("cache.alpha_norm", cache.alpha_norm, ALPHA_NORMS)
     _choice("cache.pos", cache.pos, POS_MODES)
     _choice("cache.backend", cache.backend, BACKENDS)
@@ -130,6 +134,10 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
     _choice("summary.name", summary.name, SUMMARIES)
     if cache.backend == "faiss" and cache.renew != "fifo":
         raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
+    if cache.backend == "faiss" and cache.alpha_norm == "original":
+        raise ConfigError(
+            "cache.alpha_norm=original needs every slot's score; cache.backend=faiss supports all|topk"
+        )
     if cache.backend == "faiss" and SUMMARIES[summary.name].row_keys:
         raise ConfigError(
             f"cache.backend=faiss does not support summary={summary.name} (one key per slot needed)"
@@ -145,6 +153,22 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
         )
     if summary.d_key is not None and summary.d_key <= 0:
         raise ConfigError(f"summary.d_key={summary.d_key} must be > 0")
+    if query.tanh and not STRATEGIES[query.strategy].learned:
+        learned = "|".join(q for q, cls in STRATEGIES.items() if cls.learned)
+        raise ConfigError(
+            f"query.tanh=true applies to the strategies with weights ({learned}), not query={query.strategy}"
+        )
+    if summary.name == "conv":
+        _validate_conv(model)
+
+
+def _validate_conv(model: Any) -> None:
+    H, d, L = model.n_head, model.d_model, model.tgt_len
+    if d % H != 0 or H > L or conv_out_len(L, d, H) != d // H:
+        raise ConfigError(
+            f"summary=conv needs model.d_model ({d}) divisible by model.n_head ({H}), n_head <= tgt_len ({L}) "
+            f"and a conv output of d_model/n_head = {d // H} per head (got {conv_out_len(L, d, H)})"
+        )
 
 
 def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:

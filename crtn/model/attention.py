@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from crtn.model.dropout import make_dropout
+
 
 class PositionalEmbedding(nn.Module):
     """Sinusoid embedding of relative distances, R[p] = [sin(p w), cos(p w)] (Vaswani et al. 2017).
@@ -122,15 +124,18 @@ class _RetrievedProduct(torch.autograd.Function):
     Z is gathered chunk by chunk into a small buffer that stays in cache, and gathered
     again in backward instead of being saved: a plain gather would allocate and keep
     T*k*Ls*d values per layer (134 MB at B=16, L=64, k=2, d=256). No gradient flows to
-    the cached values (they are gradient-stopped, SPEC §3).
+    the cached values (they are gradient-stopped, SPEC §3). ``values`` is saved with
+    ``save_for_backward`` (no copy), so a backward pass after the cache was renewed in
+    place raises autograd's "modified by an inplace operation" error instead of
+    silently using the new values.
     """
 
     @staticmethod
     def forward(
         ctx, a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool, eps: float
     ) -> Tensor:
-        ctx.values, ctx.mode, ctx.normalize, ctx.eps = values, mode, normalize, eps
-        ctx.save_for_backward(index)
+        ctx.mode, ctx.normalize, ctx.eps = mode, normalize, eps
+        ctx.save_for_backward(values, index)
         T, k = index.shape
         C, d = k * values.shape[1], values.shape[2]
         out = a.new_empty(T, a.shape[1], C if mode == "scores" else d)
@@ -140,12 +145,12 @@ class _RetrievedProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (index,) = ctx.saved_tensors
+        values, index = ctx.saved_tensors
         grad = grad.contiguous()
         T = index.shape[0]
-        C, d = index.shape[1] * ctx.values.shape[1], ctx.values.shape[2]
+        C, d = index.shape[1] * values.shape[1], values.shape[2]
         out = grad.new_empty(T, grad.shape[1], d if ctx.mode == "scores" else C)
-        for s, e, z in _retrieved_chunks(ctx.values, index, grad.dtype, ctx.normalize, ctx.eps):
+        for s, e, z in _retrieved_chunks(values, index, grad.dtype, ctx.normalize, ctx.eps):
             torch.bmm(grad[s:e], z if ctx.mode == "scores" else z.transpose(1, 2), out=out[s:e])
         return out, None, None, None, None, None
 
@@ -198,6 +203,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         dropout: on the output projection; dropatt: on the attention probabilities.
         pre_lnorm: LayerNorm before attention (on memory and segment) instead of after.
         untie_r: own u, v per layer instead of the model's shared pair.
+        locked: locked (variational) dropout on the output instead of elementwise.
     """
 
     def __init__(
@@ -210,6 +216,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         pre_lnorm: bool = False,
         layer_norm_eps: float = 1e-5,
         untie_r: bool = False,
+        locked: bool = False,
     ):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
@@ -217,7 +224,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.drop = nn.Dropout(dropout)
+        self.drop = make_dropout(dropout, locked)
         self.dropatt = nn.Dropout(dropatt)
         self.scale = 1.0 / math.sqrt(d_head)
         self.pre_lnorm = pre_lnorm
@@ -376,8 +383,15 @@ class RealPositions:
     the (up to m + N L) distinct distances. Distances above ``clamp_len`` use
     ``R_{clamp_len}`` as in Transformer-XL.
 
+    When the position embeddings are dropped out (training with ``dropout`` or ``dropinp``),
+    the rotation cannot carry a dropout mask per distance, so the model passes the dropped
+    table of every distance (:meth:`with_table`: the table whose rows the memory and the
+    current segment use too, as with ``cache.pos=concat``) and the scores are gathered
+    from it: O(B L H d_h D) for D distances, in training only.
+
     Args:
         pos_emb: the model's :class:`PositionalEmbedding`.
+        age: [B, L, k] long, distance of each retrieved segment's first row (``Selection.age``).
         seg_len: Ls, rows per retrieved segment; q_len: L, tokens in the segment.
         clamp_len: -1 for none.
         dtype: compute dtype.
@@ -394,21 +408,38 @@ class RealPositions:
     ):
         self.pos_emb = pos_emb
         self.age = age  # [B, L, k] long
+        self.table: Tensor | None = None
         j = torch.arange(q_len, device=age.device)
         r = torch.arange(seg_len, device=age.device)
+        self.dist = age[..., None] + (j[None, :, None, None] - r[None, None, None, :])  # [B, L, k, Ls]
         self.rel = pos_emb(j[:, None] - r[None, :], dtype)  # [L, Ls, d]  R_{j-r}
         ang = pos_emb.angles(age)  # [B, L, k, d/2] float64
         self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
         self.clamp_len = clamp_len
         if clamp_len > 0:
-            dist = age[..., None] + (j[None, :, None, None] - r[None, None, None, :])  # [B, L, k, Ls]
-            self.clamped = dist > clamp_len
+            self.clamped = self.dist > clamp_len
             self.r_clamp = pos_emb(torch.tensor([float(clamp_len)], device=age.device), dtype)  # [1, d]
+
+    @property
+    def max_dist(self) -> int:
+        """The largest distance of a retrieved row (tokens)."""
+        return int(self.dist.max())
+
+    def with_table(self, table: Tensor) -> RealPositions:
+        """Use ``table`` [D, d] (row i: the dropped-out embedding of distance i, clamped as in
+        Transformer-XL; D > :attr:`max_dist`) for the position terms; returns self."""
+        self.table = table
+        return self
 
     def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
         """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
         B, L, H, dh = rr_q.shape
         d = r_weight.shape[1]
+        if self.table is not None:
+            r_head = F.linear(self.table, r_weight).view(-1, H, dh)  # [D, H, dh]
+            every = torch.einsum("blhe,Dhe->bhlD", rr_q, r_head)  # [B, H, L, D]
+            index = self.dist.reshape(B, 1, L, -1).expand(B, H, L, self.dist[0, 0].numel())
+            return every.gather(-1, index)
         w = torch.einsum("blhe,hed->blhd", rr_q, r_weight.view(H, dh, d))  # [B, L, H, d]
         ws, wc = w[..., None, :, : d // 2], w[..., None, :, d // 2 :]  # [B, L, 1, H, d/2]
         cos, sin = self.cos[:, :, :, None], self.sin[:, :, :, None]  # [B, L, k, 1, d/2]
@@ -424,6 +455,8 @@ class PositionwiseFF(nn.Module):
     """Position-wise feed-forward sub-layer, ReLU(x W1 + b1) W2 + b2, residual and LayerNorm.
 
     Names follow the Transformer-XL release (``CoreNet``, ``layer_norm``). x: [..., d] -> [..., d].
+    ``dropout`` applies after the ReLU and after W2 (``model.dropfor``, default ``model.dropout``),
+    locked over time with ``locked``.
     """
 
     def __init__(
@@ -433,14 +466,15 @@ class PositionwiseFF(nn.Module):
         dropout: float,
         pre_lnorm: bool = False,
         layer_norm_eps: float = 1e-5,
+        locked: bool = False,
     ):
         super().__init__()
         self.CoreNet = nn.Sequential(
             nn.Linear(d_model, d_inner),
             nn.ReLU(inplace=True),
-            nn.Dropout(dropout),
+            make_dropout(dropout, locked),
             nn.Linear(d_inner, d_model),
-            nn.Dropout(dropout),
+            make_dropout(dropout, locked),
         )
         self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.pre_lnorm = pre_lnorm
@@ -452,7 +486,12 @@ class PositionwiseFF(nn.Module):
 
 
 class RelPartialLearnableDecoderLayer(nn.Module):
-    """One Transformer-XL layer: relative attention then feed-forward (SPEC §2)."""
+    """One Transformer-XL layer: relative attention then feed-forward (SPEC §2).
+
+    ``dropout`` applies to the attention output and inside the feed-forward unless
+    ``dropatt_out`` / ``dropfor`` set their own rates (the CRTN authors' recipe); ``locked``
+    makes them variational (one mask per sequence, shared over time).
+    """
 
     def __init__(
         self,
@@ -466,20 +505,29 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         pre_lnorm: bool = False,
         layer_norm_eps: float = 1e-5,
         untie_r: bool = False,
+        dropfor: float | None = None,
+        dropatt_out: float | None = None,
+        locked: bool = False,
     ):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
             n_head,
             d_model,
             d_head,
-            dropout,
+            dropout if dropatt_out is None else dropatt_out,
             dropatt=dropatt,
             pre_lnorm=pre_lnorm,
             layer_norm_eps=layer_norm_eps,
             untie_r=untie_r,
+            locked=locked,
         )
         self.pos_ff = PositionwiseFF(
-            d_model, d_inner, dropout, pre_lnorm=pre_lnorm, layer_norm_eps=layer_norm_eps
+            d_model,
+            d_inner,
+            dropout if dropfor is None else dropfor,
+            pre_lnorm=pre_lnorm,
+            layer_norm_eps=layer_norm_eps,
+            locked=locked,
         )
 
     def forward(self, h: Tensor, pos_emb: Tensor, **attn: Any) -> Tensor:

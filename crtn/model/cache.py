@@ -10,13 +10,28 @@ one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
 cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
 in every row and empty slots are simply never scored.
 
-Selection (SPEC §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots;
-alpha = softmax over all valid slots (``alpha_norm=all``, seed 003:
-topk(softmax(Q Keys^T))) or over the top-k scores (``topk``); the k best slots per
+Selection (SPEC §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots,
+scaled by the temperature theta (``cache.theta``, 1 by default); the k best slots per
 token, re-ordered by stream position (oldest first). With fewer than k valid slots,
-all valid slots are taken. The ``faiss`` backend finds the top-k with one faiss index
-per batch row and then recomputes the k scores in torch, so gradients reach the
-query exactly as with the ``torch`` backend; alpha is then normalised over the top-k.
+all valid slots are taken. The weights alpha (``cache.alpha_norm``):
+
+- ``all``: softmax over all valid slots, alpha = softmax(theta s)[top-k] (seed 003:
+  topk(softmax(Q Keys^T)), the CRTN paper's equation); sums to at most 1 and shrinks as
+  N grows;
+- ``topk``: softmax over the k selected scores, alpha = softmax(theta s_topk); sums to 1;
+- ``original``: the authors' code (xyz961014/longterm, ``CRTN/layers/transformer.py``):
+  p = softmax(theta s) over all valid slots, then alpha = k softmax(p_topk), a softmax
+  over *probabilities*; sums to k and stays within [2/(1+e), 2e/(1+e)] for k = 2.
+
+The ``faiss`` backend finds the top-k with one faiss index per batch row and then
+recomputes the k scores in torch, so gradients reach the query exactly as with the
+``torch`` backend; alpha is then normalised over the top-k (``original`` needs every
+score and is not offered with faiss).
+
+Renewal (SPEC §3 step 5): ``fifo`` drops the oldest slot; ``least_used`` the slot selected
+least often since it entered; ``discard_worst`` (the authors' option) the slot with the
+lowest ratio of tokens that selected it to tokens that scored it since it entered (a
+slot not yet scored is kept). Ties go to the oldest slot.
 """
 
 from __future__ import annotations
@@ -34,11 +49,11 @@ from torch import Tensor
 from crtn.model.summary import Summary
 
 #: the options of the ``cache`` config node that this module implements
-ALPHA_NORMS = ("all", "topk")
+ALPHA_NORMS = ("all", "topk", "original")
 POS_MODES = ("concat", "real")  # used by the attention (attention.py)
 BACKENDS = ("torch", "faiss")
 FAISS_INDEXES = ("flat", "hnsw")
-RENEWALS = ("fifo", "least_used")
+RENEWALS = ("fifo", "least_used", "discard_worst")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -74,8 +89,9 @@ class SegmentCache:
         n_slot: N, slots per row.
         batch_size: B.
         summary: the model's summary: how keys are made, stored and scored.
-        renew: ``fifo`` (drop the oldest slot) or ``least_used`` (drop the slot selected
-            least often since it entered; ties go to the oldest).
+        renew: ``fifo`` (drop the oldest slot), ``least_used`` (drop the slot selected
+            least often since it entered) or ``discard_worst`` (drop the slot with the
+            lowest selected / scored ratio); ties go to the oldest.
         dtype: storage dtype of the values (float32, float16, bfloat16, float64); None
             stores them in the dtype of the inserted states.
         backend: ``torch`` (exact scores on the model's device) or ``faiss``.
@@ -102,7 +118,8 @@ class SegmentCache:
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
         self.keys: Tensor | None = None  # [B, N, d_key]; None when keys are views of the values
         self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
-        self.usage: Tensor | None = None  # [B, N] times selected since insertion
+        self.usage: Tensor | None = None  # [B, N] tokens that selected the slot since insertion
+        self.scored: Tensor | None = None  # [B, N] tokens that scored the slot since insertion
         self.newest: Tensor | None = None  # [B] slot written last
         self.n_insert = 0
         self._faiss: _FaissRows | None = None
@@ -168,16 +185,15 @@ class SegmentCache:
             self.values = torch.empty(n_layers, B * self.n_slot, Ls, d, dtype=self.dtype, device=dev)
             self.pos = torch.full((B, self.n_slot), -1, dtype=torch.long, device=dev)
             self.usage = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
+            self.scored = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
             self.newest = torch.zeros(B, dtype=torch.long, device=dev)
             if not self.summary.key_is_view:
                 self.keys = torch.zeros(B, self.n_slot, self.summary.d_key, dtype=states.dtype, device=dev)
         assert self.pos is not None and self.usage is not None
         if Ls != self.seg_len:
             raise ValueError(f"segment of {Ls} rows cannot enter a cache of {self.seg_len}-row slots")
-        if self.renew == "least_used" and self.n_insert >= self.n_slot:
-            # least used, ties broken by the oldest position
-            least = self.usage == self.usage.min(1, keepdim=True).values
-            slot = self.pos.masked_fill(~least, torch.iinfo(torch.long).max).argmin(1)  # [B]
+        if self.renew != "fifo" and self.n_insert >= self.n_slot:
+            slot = self._worst_slot()
         else:
             slot = torch.full((B,), self.n_insert % self.n_slot, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev) * self.n_slot + slot
@@ -188,12 +204,24 @@ class SegmentCache:
             self.keys[b, slot] = key.to(self.keys.dtype)
         self.pos[b, slot] = pos
         self.usage[b, slot] = 0
+        self.scored[b, slot] = 0
         self.newest = slot
         self.n_insert += 1
         if self.backend == "faiss":
             if self._faiss is None:
                 self._faiss = _FaissRows(B, self.n_slot, self.faiss_opts)
             self._faiss.add(self._flat_keys(b, slot))
+
+    def _worst_slot(self) -> Tensor:
+        """The slot each row drops under ``least_used`` / ``discard_worst``: [B] long, ties to the oldest."""
+        assert self.usage is not None and self.scored is not None and self.pos is not None
+        if self.renew == "least_used":
+            badness = -self.usage.double()
+        else:  # discard_worst: lowest selected / scored; a slot not yet scored is kept
+            ratio = self.usage.double() / self.scored.clamp(min=1).double()
+            badness = -torch.where(self.scored > 0, ratio, torch.full_like(ratio, float("inf")))
+        worst = badness == badness.max(1, keepdim=True).values
+        return self.pos.masked_fill(~worst, torch.iinfo(torch.long).max).argmin(1)
 
     def _flat_keys(self, b: Tensor, slot: Tensor) -> np.ndarray:
         keys = self.valid_keys() if self.summary.key_is_view else self.keys
@@ -208,6 +236,7 @@ class SegmentCache:
         top_k: int,
         alpha_norm: str,
         t0: int,
+        theta: float = 1.0,
         count: bool = True,
         score_fn: Callable[[Tensor], Tensor] | None = None,
     ) -> Selection:
@@ -216,10 +245,12 @@ class SegmentCache:
         Args:
             query: [B, L, d_key] queries (``token_max``: [B, L, d]), scored by the cache's summary.
             top_k: k; ``min(k, n_valid)`` slots are taken.
-            alpha_norm: ``all`` (softmax over all valid slots) or ``topk``; ignored by
-                the faiss backend, which always normalises over the top-k.
+            alpha_norm: ``all``, ``topk`` or ``original`` (module docstring); the faiss
+                backend always normalises over the top-k.
             t0: stream position of the current segment's first token.
-            count: add the selections to ``usage`` (False: leave the cache untouched).
+            theta: temperature multiplying the scores before every softmax.
+            count: add the selections to ``usage`` and the scorings to ``scored`` (False:
+                leave the cache untouched).
             score_fn: keys [B, n_valid, ...] -> scores [B, L, n_valid], replacing
                 ``summary.score(query, keys)`` for the torch backend (a strategy's fast path);
                 ``query`` may then be None.
@@ -243,14 +274,17 @@ class SegmentCache:
             slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
             keys = self.valid_keys()
             picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
-            alpha = torch.softmax(self.summary.score_selected(query, picked), -1)
+            alpha = torch.softmax(_scaled(self.summary.score_selected(query, picked), theta), -1)
         else:
             keys = self.valid_keys()
             scores = score_fn(keys) if score_fn is not None else self.summary.score(query, keys)  # [B, L, nv]
             B, L = scores.shape[:2]
+            scores = _scaled(scores, theta)
             top_s, slot = scores.topk(k, dim=-1)
             if alpha_norm == "all":
                 alpha = torch.softmax(scores, -1).gather(-1, slot)
+            elif alpha_norm == "original":
+                alpha = k * torch.softmax(torch.softmax(scores, -1).gather(-1, slot), -1)
             else:
                 alpha = torch.softmax(top_s, -1)
         pos = self.pos.gather(1, slot.reshape(B, -1)).view(B, L, k)
@@ -258,6 +292,8 @@ class SegmentCache:
         slot, pos, alpha = slot.gather(-1, order), pos.gather(-1, order), alpha.gather(-1, order)
         if count:
             self.usage.scatter_add_(1, slot.reshape(B, -1), torch.ones_like(slot).reshape(B, -1))
+            assert self.scored is not None
+            self.scored[:, :nv] += L
         flat = slot + (torch.arange(B, device=slot.device) * self.n_slot)[:, None, None]
         self.select_seconds += time.perf_counter() - t_start
         return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
@@ -274,6 +310,7 @@ class SegmentCache:
             "keys": self.keys,
             "pos": self.pos,
             "usage": self.usage,
+            "scored": self.scored,
             "newest": self.newest,
             "key_view": self.summary.name if self.summary.key_is_view and self.values is not None else None,
         }
@@ -288,6 +325,9 @@ class SegmentCache:
         self.n_insert = sd["n_insert"]
         self.values, self.keys, self.pos = sd["values"], sd["keys"], sd["pos"]
         self.usage, self.newest = sd["usage"], sd["newest"]
+        self.scored = sd.get("scored")
+        if self.scored is None and self.usage is not None:  # checkpoints before discard_worst
+            self.scored = torch.zeros_like(self.usage)
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
         self._faiss = None
@@ -308,11 +348,16 @@ class SegmentCache:
 
     def to(self, device: torch.device | str) -> SegmentCache:
         """Move the stored tensors to ``device`` (in place); returns self."""
-        for name in ("values", "keys", "pos", "usage", "newest"):
+        for name in ("values", "keys", "pos", "usage", "scored", "newest"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
         return self
+
+
+def _scaled(scores: Tensor, theta: float) -> Tensor:
+    """theta * scores; theta = 1 returns the scores themselves (bit-identical to no scaling)."""
+    return scores if theta == 1.0 else scores * theta
 
 
 class _FaissRows:

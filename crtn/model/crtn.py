@@ -85,8 +85,10 @@ class CRTN(TransformerLM):
         super().__init__(n_token, model)
         self.cache_cfg, self.query_cfg = cache, query
         self.n_slot, self.top_k = cache.n_slot, cache.top_k
-        self.summary = make_summary(summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh)
-        self.query = make_query(query.strategy, model.tgt_len)
+        self.summary = make_summary(
+            summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh, model.n_head
+        )
+        self.query = make_query(query.strategy, model.tgt_len, model.d_model, self.summary.d_key, query.tanh)
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
@@ -196,17 +198,24 @@ class CRTN(TransformerLM):
     def _retrieve(
         self, tokens: Tensor, state: CRTNState, seg: int, mem_kv: list[Tensor] | None, update: bool
     ) -> tuple[Tensor | None, Selection | None]:
-        """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection."""
+        """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection.
+
+        Gradients reach the query only through alpha (keys are gradient-stopped), so
+        nothing here needs them unless the values are alpha-weighted. ``query.detach``
+        stops them at R_cur: the query pass gets none, the query's own weights
+        (``summary.proj``, ``query.seq_linear``, ``query.proj``) still train.
+        """
         cache = state.cache
         assert cache is not None
         nv, qs = cache.n_valid, self.query
-        grad = torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted and not self.query_cfg.detach
+        grad = torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted
         r_cur, selection = None, None
         with torch.set_grad_enabled(grad):
             qmem = self._query_memory(state, seg)
-            if qs.needs_query_pass:
-                shared = mem_kv if qmem is state.mem else None
-                r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
+            with torch.set_grad_enabled(grad and not self.query_cfg.detach):
+                if qs.needs_query_pass:
+                    shared = mem_kv if qmem is state.mem else None
+                    r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
             if nv > 0:
                 fast = qs.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
                 q = None
@@ -217,6 +226,7 @@ class CRTN(TransformerLM):
                     top_k=self.top_k,
                     alpha_norm=self.cache_cfg.alpha_norm,
                     t0=state.pos,
+                    theta=self.cache_cfg.theta,
                     count=update,
                     score_fn=fast,
                 )
@@ -237,7 +247,7 @@ class CRTN(TransformerLM):
         return QueryInputs(
             r_cur=r_cur,
             r_prev=r_prev,
-            core=self._core_top,
+            core=self._core_top_detached if self.query_cfg.detach else self._core_top,
             tokens=tokens,
             prev_tokens=prev_tokens,
             prev_states=None if qmem is None else qmem[:, :, -seg:],
@@ -269,4 +279,10 @@ class CRTN(TransformerLM):
         return mem
 
     def _core_top(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
+        """Top layer of a query pass (the ``fixed_length`` strategies' own passes)."""
         return self.core(tokens, mem, extra_mask=extra_mask)[0][-1]
+
+    @torch.no_grad()
+    def _core_top_detached(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
+        """:meth:`_core_top` without gradient (``query.detach``)."""
+        return self._core_top(tokens, mem, extra_mask)

@@ -14,6 +14,10 @@ W_j is L x d and q_j = summary(W_j); indices below are 1-based as in the SPEC.
 | middle_l        | rows j+1..j+L of [R_prev; R_cur]                                        | 1.2.2 |
 | linear          | Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur])     | 1.2.3 |
 | token           | q_j = R_cur[j] (the CRTN paper's default)                               |  —    |
+| single_linear   | q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' code)             |  —    |
+
+``query.tanh`` applies tanh to the queries of the strategies with their own weights
+(``linear``, ``single_linear``; the authors' code always does for both).
 
 All strategies are causal: q_j depends on tokens up to j only, so a partial segment
 (generation) gives the same queries as the full one. ``last_state`` takes "the row of
@@ -155,10 +159,11 @@ class QueryStrategy(nn.Module):
     needs_prev_tokens: bool = False
     needs_prev_states: bool = False
     length_bound: bool = False
+    learned: bool = False  # has weights of its own (query.tanh applies)
 
-    def __init__(self, seg_len: int):
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
         super().__init__()
-        self.seg_len = seg_len
+        self.seg_len, self.tanh = seg_len, tanh
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long."""
@@ -171,7 +176,8 @@ class QueryStrategy(nn.Module):
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
         """Queries [B, L', d_key] (``token``: R_cur itself, [B, L', d])."""
         w, token_row = self.windows(x)
-        return summary.query(w, token_row)
+        q = summary.query(w, token_row)
+        return torch.tanh(q) if self.tanh else q
 
     def _last_row(self, w: Tensor) -> tuple[Tensor, Tensor]:
         return w, torch.full((w.shape[1],), self.seg_len - 1, dtype=torch.long, device=w.device)
@@ -237,10 +243,10 @@ class MiddleL(QueryStrategy):
 class Linear(QueryStrategy):
     """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (seed 003, 1.2.3)."""
 
-    strategy, needs_r_prev, length_bound = "linear", True, True
+    strategy, needs_r_prev, length_bound, learned = "linear", True, True, True
 
-    def __init__(self, seg_len: int):
-        super().__init__(seg_len)
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
+        super().__init__(seg_len, d_model, d_key, tanh)
         self.seq_linear = nn.Linear(2 * seg_len, seg_len)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
@@ -259,18 +265,43 @@ class Token(QueryStrategy):
         return x.r_cur
 
 
+class SingleLinear(QueryStrategy):
+    """q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' ``single_linear``; tanh with ``query.tanh``).
+
+    The projection maps the token's top-layer state into the key space of the summary
+    (d_key = d for the summaries it pairs with; keys are not projected, as in the authors' code).
+    """
+
+    strategy, kind, learned = "single_linear", TOKEN, True
+
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
+        super().__init__(seg_len, d_model, d_key, tanh)
+        self.proj = nn.Linear(d_model, d_key)
+
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        assert x.r_cur is not None
+        q = self.proj(x.r_cur)
+        return torch.tanh(q) if self.tanh else q
+
+
 #: every query strategy by its config name, in SPEC §3 order
 STRATEGIES: dict[str, type[QueryStrategy]] = {
-    cls.strategy: cls for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token)
+    cls.strategy: cls for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear)
 }
 
 
-def make_query(strategy: str, seg_len: int) -> QueryStrategy:
+def make_query(
+    strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False
+) -> QueryStrategy:
     """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`).
+
+    Args:
+        seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output);
+        tanh: tanh on the queries (``query.tanh``, strategies with ``learned``).
 
     Raises:
         ValueError: unknown name.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"query={strategy!r} is not one of: {', '.join(STRATEGIES)}")
-    return STRATEGIES[strategy](seg_len)
+    return STRATEGIES[strategy](seg_len, d_model, d_key, tanh)

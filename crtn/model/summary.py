@@ -6,11 +6,19 @@
 | linear       | Linear(flat(Y)), tanh optional                       | d_key    | window queries  |
 | last_state   | Y[L]; for a query window, the row of token j         | d        | both            |
 | mean, max    | pooling over rows                                    | d        | both            |
+| sum          | sum over rows (the authors' code)                    | d        | both            |
+| weighted_sum | sum_r w_r Y[r], a learned Linear(L -> 1) over rows   | d        | both            |
+| conv         | the authors' strided Conv1d over the flattened heads | d        | both            |
 | token_max    | keys keep all L rows; score = max_r <q, Y[r]>         | d        | token queries   |
 
 Keys are summaries of a cached segment's top layer (seed 003, "3 更新 Memory":
 3.1 identity, 3.2 linear); queries are the same summary applied to each token's
 window (seed 003, "1 查询"). Scores are scaled dot products, s = <q, k> / sqrt(d_key).
+``sum``, ``weighted_sum`` and ``conv`` are the CRTN authors' options (xyz961014/longterm,
+``CRTN/layers/cache.py``). Keys are computed without gradient when a segment enters the
+cache (as in the authors' code), so a learned summary trains only through window
+queries; paired with ``token`` queries its weights stay at their initialisation, as
+theirs do.
 
 Each summary is a small class registered in :data:`SUMMARIES` under its config name
 (``summary.name``). A class states what the rest of the model needs to know about it:
@@ -44,6 +52,7 @@ class Summary(nn.Module):
         d_model: d, width of a row.
         d_key: output width where configurable (``linear``); None: the summary's own.
         tanh: apply tanh to the output where supported (``linear``).
+        n_head: the model's heads (the channels of ``conv``).
 
     Subclasses implement :meth:`key` and :meth:`query`; scoring is the scaled dot product
     unless overridden (``token_max``).
@@ -55,9 +64,11 @@ class Summary(nn.Module):
     row_keys: bool = False
     length_bound: bool = False
 
-    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False):
+    def __init__(
+        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    ):
         super().__init__()
-        self.seg_len, self.d_model, self.tanh = seg_len, d_model, tanh
+        self.seg_len, self.d_model, self.tanh, self.n_head = seg_len, d_model, tanh, n_head
 
     @property
     def d_key(self) -> int:
@@ -131,8 +142,10 @@ class Linear(Summary):
 
     name, kinds, length_bound = "linear", (WINDOW,), True
 
-    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key, tanh)
+    def __init__(
+        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    ):
+        super().__init__(seg_len, d_model, d_key, tanh, n_head)
         self.proj = nn.Linear(seg_len * d_model, d_key or d_model)
 
     @property
@@ -188,6 +201,84 @@ class Max(Summary):
         return window.amax(2)
 
 
+class Sum(Summary):
+    """Sum over rows, d_key = d (the authors' ``sum``)."""
+
+    name = "sum"
+
+    def key(self, top: Tensor) -> Tensor:
+        return top.sum(-2)
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return window.sum(2)
+
+
+class WeightedSum(Summary):
+    """sum_r w_r Y[r] with learned w in R^L (``Linear(L, 1, bias=False)`` over the rows), d_key = d
+    (the authors' ``weighted_sum``); weights built for L."""
+
+    name, length_bound = "weighted_sum", True
+
+    def __init__(
+        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    ):
+        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        self.row_weight = nn.Linear(seg_len, 1, bias=False)
+
+    def key(self, top: Tensor) -> Tensor:
+        self._check_len(top)
+        return torch.einsum("...rd,r->...d", top, self.row_weight.weight[0])
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return self.key(window)
+
+
+class Conv(Summary):
+    """The authors' ``conv`` summary (``CRTN/layers/cache.py``): a strided Conv1d, d_key = d.
+
+    Y [L, d] is viewed as H channels (H = ``n_head``) of L * (d/H) samples: channel h holds
+    the h-th d/H-wide slice of every row, rows one after another. ``Conv1d(H, H,
+    kernel_size=d/H, stride=L, padding=ceil((d/H - H)/2))`` maps it to H x d/H outputs,
+    flattened to d. Output o of a channel reads d/H consecutive samples from o L - padding
+    on, i.e. parts of one or two rows near row o L / (d/H): a strided subsampling of the
+    segment, not a pooling. It needs H <= L and an output length of exactly d/H
+    (:func:`conv_out_len`), which ``validate_model`` checks.
+
+    """
+
+    name, length_bound = "conv", True
+
+    def __init__(
+        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    ):
+        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        width = d_model // n_head
+        self.conv = nn.Conv1d(
+            n_head, n_head, kernel_size=width, stride=seg_len, padding=conv_padding(d_model, n_head)
+        )
+
+    def key(self, top: Tensor) -> Tensor:
+        self._check_len(top)
+        *lead, L, d = top.shape
+        H = self.n_head
+        x = top.reshape(-1, L, H, d // H).transpose(1, 2).reshape(-1, H, L * (d // H))
+        return self.conv(x).reshape(*lead, d)
+
+    def query(self, window: Tensor, token_row: Tensor) -> Tensor:
+        return self.key(window)
+
+
+def conv_padding(d_model: int, n_head: int) -> int:
+    """Padding of the ``conv`` summary, ceil((d/H - H) / 2) (the authors' formula)."""
+    return max(0, -(-(d_model // n_head - n_head) // 2))
+
+
+def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
+    """Outputs per channel of the ``conv`` summary; it works only when this equals d / H."""
+    width = d_model // n_head
+    return (seg_len * width + 2 * conv_padding(d_model, n_head) - width) // seg_len + 1
+
+
 class TokenMax(Summary):
     """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d)."""
 
@@ -209,18 +300,18 @@ class TokenMax(Summary):
 
 #: every summary by its config name, in SPEC §3 order
 SUMMARIES: dict[str, type[Summary]] = {
-    cls.name: cls for cls in (Identity, Linear, LastState, Mean, Max, TokenMax)
+    cls.name: cls for cls in (Identity, Linear, LastState, Mean, Max, Sum, WeightedSum, Conv, TokenMax)
 }
 
 
 def make_summary(
-    name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False
+    name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
 ) -> Summary:
-    """Build the summary registered as ``name`` (see :data:`SUMMARIES`).
+    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels.
 
     Raises:
         ValueError: unknown name.
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
-    return SUMMARIES[name](seg_len, d_model, d_key, tanh)
+    return SUMMARIES[name](seg_len, d_model, d_key, tanh, n_head)

@@ -32,6 +32,7 @@ from crtn.model.attention import (
     RelPartialLearnableDecoderLayer,
 )
 from crtn.model.cache import SegmentCache, Selection
+from crtn.model.dropout import make_dropout, word_dropout
 
 
 @dataclass
@@ -115,7 +116,13 @@ class TransformerLM(nn.Module):
 
         cutoffs = list(model.cutoffs)
         self.word_emb = AdaptiveEmbedding(n_token, d_embed, model.d_model, cutoffs, model.div_val)
-        self.drop = nn.Dropout(model.dropout)
+        # dropout on the top-layer output; on the word and position embeddings (dropinp); word
+        # dropout (dropemb); locked: one mask per sequence (the CRTN authors' recipe)
+        self.drop = make_dropout(model.dropout, model.locked_dropout)
+        self.drop_inp = make_dropout(
+            model.dropout if model.dropinp is None else model.dropinp, model.locked_dropout
+        )
+        self.dropemb = model.dropemb
         self.pos_emb = PositionalEmbedding(model.d_model)
         self.untie_r = model.untie_r
         if not model.untie_r:
@@ -132,6 +139,9 @@ class TransformerLM(nn.Module):
                 pre_lnorm=model.pre_lnorm,
                 layer_norm_eps=model.layer_norm_eps,
                 untie_r=model.untie_r,
+                dropfor=model.dropfor,
+                dropatt_out=model.dropatt_out,
+                locked=model.locked_dropout,
             )
             for _ in range(model.n_layer)
         )
@@ -246,17 +256,28 @@ class TransformerLM(nn.Module):
             the top layer after the final dropout, [B, L, d].
         """
         B, L = tokens.shape
-        emb = self.word_emb(tokens)
+        emb = word_dropout(self.word_emb(tokens), tokens, self.n_token, self.dropemb, self.training)
         M = 0 if mem is None else mem.shape[2]
         C = cache.k * cache.seg_len if cache is not None and real_pos is None else 0
         mask = self._attn_mask(L, M, tokens.device)
         if extra_mask is not None:
             mask = mask | extra_mask
-        pos_seq = torch.arange(C + M + L - 1, -1, -1.0, device=tokens.device)
-        if self.clamp_len > 0:
-            pos_seq = pos_seq.clamp(max=self.clamp_len)
-        pos_emb = self.drop(self.pos_emb(pos_seq, emb.dtype))
-        h = self.drop(emb)
+        if real_pos is not None and self.training and self.drop_inp.p > 0:
+            # one dropped table for every distance, shared with the retrieved rows (RealPositions)
+            pos_seq = torch.arange(
+                0, max(M + L, real_pos.max_dist + 1), device=tokens.device, dtype=torch.float
+            )
+            if self.clamp_len > 0:
+                pos_seq = pos_seq.clamp(max=self.clamp_len)
+            table = self.drop_inp(self.pos_emb(pos_seq, emb.dtype))
+            real_pos = real_pos.with_table(table)
+            pos_emb = table[: M + L].flip(0)
+        else:
+            pos_seq = torch.arange(C + M + L - 1, -1, -1.0, device=tokens.device)
+            if self.clamp_len > 0:
+                pos_seq = pos_seq.clamp(max=self.clamp_len)
+            pos_emb = self.drop_inp(self.pos_emb(pos_seq, emb.dtype))
+        h = self.drop_inp(emb)
         hids = [h]
         r_w = None if self.untie_r else self.r_w_bias
         r_r = None if self.untie_r else self.r_r_bias
