@@ -105,7 +105,9 @@ class SummaryConfig:
     """Summary of an L x d block into a key or query (SPEC §3, "Summaries")."""
 
     name: str = "last_state"
-    d_key: int | None = None  # linear only; None: d_model
+    d_key: int | None = (
+        None  # linear: output width (None: d_model); token_max: learned map to d_key (None: none)
+    )
     tanh: bool = False  # linear only
 
 

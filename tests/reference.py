@@ -217,8 +217,12 @@ def naive_query_summary(summary, window: Tensor, token_row: int) -> Tensor:
 
 
 def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
-    """<q, k> / sqrt(d_key); token_max: max over the key's rows."""
+    """<q, k> / sqrt(d_key); token_max: max over the key's rows (after the learned map P of
+    queries and rows when it has one)."""
     if summary.name == "token_max":
+        if summary.proj is not None:
+            P = summary.proj.weight  # [d_key, d]
+            q, key = P @ q, key @ P.T
         return (key @ q).max() / math.sqrt(q.shape[0])
     return (q @ key) / math.sqrt(q.shape[0])
 

@@ -120,6 +120,8 @@ NEW_OPTIONS = {
     },
     "single_linear_token_max": {"query.strategy": "single_linear", "summary.name": "token_max"},
     "linear_query_tanh": {"query.strategy": "linear", "summary.name": "mean", "query.tanh": True},
+    "token_max_plain": {"summary.name": "token_max"},
+    "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
     "detach_token": {"query.detach": True},
     "detach_linear": {"query.strategy": "linear", "summary.name": "linear", "query.detach": True},
     "detach_fixed_length_1": {

@@ -148,7 +148,10 @@ BAD = [
     (["model.tgt_len=0"], "model.tgt_len=0 must be > 0"),
     (["model.mem_len=-1"], "model.mem_len=-1 must be >= 0"),
     (["model.mem_len=12"], "model.mem_len=12 must be a multiple of model.tgt_len=8"),
-    (["query=token", "summary=identity"], "token|single_linear with last_state|mean|max|sum|weighted_sum|conv|token_max"),
+    (
+        ["query=token", "summary=identity"],
+        "token|single_linear with last_state|mean|max|sum|weighted_sum|conv|token_max",
+    ),
     (["data.synthetic.valid_tokens=6"], "valid"),
     (["model.n_layer=abc"], "n_layer"),
     (["model.nonsense=1"], "nonsense"),

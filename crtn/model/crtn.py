@@ -88,7 +88,9 @@ class CRTN(TransformerLM):
         self.summary = make_summary(
             summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh, model.n_head
         )
-        self.query = make_query(query.strategy, model.tgt_len, model.d_model, self.summary.d_key, query.tanh)
+        self.query = make_query(
+            query.strategy, model.tgt_len, model.d_model, self.summary.d_query, query.tanh
+        )
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")

@@ -75,6 +75,11 @@ class Summary(nn.Module):
         """Width of keys and queries (for ``token_max``: of one row)."""
         return self.d_model
 
+    @property
+    def d_query(self) -> int:
+        """Width of the queries :meth:`score` takes (``token_max`` maps them itself)."""
+        return self.d_key
+
     def key(self, top: Tensor) -> Tensor:
         """Key of a segment from its top-layer states: top [..., L, d] -> [..., d_key]
         (``token_max``: the rows themselves, [..., L, d])."""
@@ -280,21 +285,46 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
 
 
 class TokenMax(Summary):
-    """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d)."""
+    """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d_key).
+
+    With ``d_key`` set, queries and rows are first mapped by one learned linear map P
+    (d -> d_key, no bias): score = max_r <P q, P row_r> / sqrt(d_key). Rows are views of
+    the cached states, so P is applied when scoring and trains through both sides (a
+    learned retrieval space; issue 11). Without ``d_key`` the score is the plain dot product.
+    """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
+
+    def __init__(
+        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    ):
+        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        self.proj = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
+
+    @property
+    def d_key(self) -> int:
+        return self.d_model if self.proj is None else self.proj.out_features
+
+    @property
+    def d_query(self) -> int:
+        return self.d_model
 
     def key(self, top: Tensor) -> Tensor:
         return top
 
+    def _map(self, x: Tensor) -> Tensor:
+        return x if self.proj is None else self.proj(x)
+
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        keys = keys.to(query.dtype)
+        keys = self._map(keys.to(query.dtype))
+        query = self._map(query)
         B, N, Ls, d = keys.shape
         rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
         return rows.view(B, -1, N, Ls).amax(-1) * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
-        keys = keys.to(query.dtype)
+        keys = self._map(keys.to(query.dtype))
+        query = self._map(query)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
 
 
