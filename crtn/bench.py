@@ -49,19 +49,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from crtn.config import TrainAppConfig
+from crtn.config import STRATEGIES, default_summary, train_config
 from crtn.model import TransformerLM, build_model
 
-STRATEGY_DEFAULTS = {
-    "token": "last_state",
-    "last_l": "identity",
-    "middle_l": "identity",
-    "linear": "identity",
-    "fixed_length_1": "identity",
-    "fixed_length_2": "identity",
-}
+#: ``scaling`` compares keys of width d (``token`` with ``last_state``) with keys of width L*d
+#: (``last_l`` with ``identity``): chosen pairings, not the strategies' defaults.
+SCALING_PAIRS = (("token", "last_state"), ("last_l", "identity"))
 
 
 @dataclass
@@ -85,7 +79,7 @@ class Sizes:
     warmup: int = 2
     naive_batch: int = 2
     naive_len: int = 16
-    strategies: tuple[str, ...] = tuple(STRATEGY_DEFAULTS)
+    strategies: tuple[str, ...] = STRATEGIES
     memory: bool = True  # measure peak memory (the CPU profiler makes this slow)
 
 
@@ -125,15 +119,26 @@ class Case:
 
 
 def model_cfg(s: Sizes, name: str, mem_len: int, **kw: Any):
-    """A crtn-train config node for a benchmark model (dropout 0, tied weights)."""
-    cfg = OmegaConf.structured(TrainAppConfig)
-    m = cfg.model
-    m.name, m.n_layer, m.d_model, m.n_head, m.d_head = name, s.n_layer, s.d_model, s.n_head, s.d_head
-    m.d_inner, m.tgt_len, m.mem_len, m.dropout = s.d_inner, s.tgt_len, mem_len, 0.0
-    cfg.cache.n_slot, cfg.cache.top_k = s.n_slot, s.top_k
-    for key, value in kw.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
+    """A crtn-train config node for a benchmark model: the schema's defaults (as the tests' configs,
+    :func:`crtn.config.train_config`) with :func:`size_overrides` and ``kw`` (dotted keys)."""
+    return train_config({**size_overrides(s, name, mem_len), **kw})
+
+
+def size_overrides(s: Sizes, name: str, mem_len: int) -> dict[str, Any]:
+    """The dotted keys a benchmark model sets over the schema: its sizes, and dropout 0."""
+    return {
+        "model.name": name,
+        "model.n_layer": s.n_layer,
+        "model.d_model": s.d_model,
+        "model.n_head": s.n_head,
+        "model.d_head": s.d_head,
+        "model.d_inner": s.d_inner,
+        "model.tgt_len": s.tgt_len,
+        "model.mem_len": mem_len,
+        "model.dropout": 0.0,
+        "cache.n_slot": s.n_slot,
+        "cache.top_k": s.top_k,
+    }
 
 
 def make_case(
@@ -299,8 +304,9 @@ def bench_strategies(s: Sizes, device: torch.device, stepper: Stepper, log: Call
     for mode in ("train", "eval"):
         cases = [make_case(f"txl(mem_len={L})", model_cfg(s, "txl", L), s, device, mode == "train")]
         for q in s.strategies:
-            cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": STRATEGY_DEFAULTS[q]})
-            cases.append(make_case(f"crtn({q}/{STRATEGY_DEFAULTS[q]})", cfg, s, device, mode == "train"))
+            summ = default_summary(q)
+            cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
+            cases.append(make_case(f"crtn({q}/{summ})", cfg, s, device, mode == "train"))
         log(f"strategies/{mode}: timing {len(cases)} configurations")
         time_cases(cases, stepper, s, device, memory=s.memory and mode == "train")
         out[mode] = [row(c, cases[0]) for c in cases]
@@ -314,8 +320,9 @@ def bench_range(s: Sizes, device: torch.device, stepper: Stepper, log: Callable)
     long_mem = L + N * L
     cases = [make_case(f"txl(mem_len={long_mem})", model_cfg(s, "txl", long_mem), s, device)]
     for q in ("token", "last_l"):
-        cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": STRATEGY_DEFAULTS[q]})
-        cases.append(make_case(f"crtn({q}, n_slot={N})", cfg, s, device))
+        summ = default_summary(q)
+        cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
+        cases.append(make_case(f"crtn({q}/{summ}, n_slot={N})", cfg, s, device))
     log(f"range: txl(mem_len={long_mem}) against crtn(n_slot={N})")
     time_cases(cases, stepper, s, device, memory=s.memory)
     rows = [row(c, cases[0]) for c in cases]
@@ -329,7 +336,7 @@ def bench_scaling(s: Sizes, device: torch.device, stepper: Stepper, log: Callabl
     """crtn training step time against n_slot (token/last_state and last_l/identity)."""
     L = s.tgt_len
     out: dict[str, Any] = {}
-    for q, summ in (("token", "last_state"), ("last_l", "identity")):
+    for q, summ in SCALING_PAIRS:
         cases = []
         for n in s.slots_scaling:
             cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ, "cache.n_slot": n})
@@ -426,8 +433,14 @@ def bench_eval_faiss(s: Sizes, device: torch.device, stepper: Stepper, log: Call
     L, n = s.tgt_len, s.eval_slots
     out: dict[str, Any] = {"n_slot": n}
     for dtype in ("float32", "float16"):
-        cfg = model_cfg(s, "crtn", L, **{"cache.n_slot": n, "cache.backend": "faiss", "cache.dtype": dtype})
-        case = make_case(f"crtn eval faiss n_slot={n} ({dtype})", cfg, s, device, train=False, batch=1)
+        # faiss holds one key per slot, so not token_max (token's default): last_state keys
+        pair = {"query.strategy": "token", "summary.name": "last_state"}
+        cfg = model_cfg(
+            s, "crtn", L, **pair, **{"cache.n_slot": n, "cache.backend": "faiss", "cache.dtype": dtype}
+        )
+        case = make_case(
+            f"crtn(token/last_state) eval faiss n_slot={n} ({dtype})", cfg, s, device, train=False, batch=1
+        )
         log(f"eval faiss: filling {n:,} slots ({dtype})")
         for _ in range(3):  # real steps: memory full, cache allocated
             stepper(case)
@@ -458,8 +471,13 @@ def bench_main_pass(s: Sizes, device: torch.device, stepper: Stepper, log: Calla
     except ImportError:
         return {"skipped": "tests/reference.py not found (run from a source checkout)"}
     small = dataclasses.replace(s, batch=s.naive_batch, tgt_len=s.naive_len)
-    cfg = model_cfg(small, "crtn", small.tgt_len, **{"cache.n_slot": 4})
-    case = make_case("crtn main pass", cfg, small, torch.device("cpu"), train=False, batch=small.naive_batch)
+    pair = f"token/{default_summary('token')}"
+    cfg = model_cfg(
+        small, "crtn", small.tgt_len, **{"cache.n_slot": 4, "summary.name": default_summary("token")}
+    )
+    case = make_case(
+        f"crtn({pair}) main pass", cfg, small, torch.device("cpu"), train=False, batch=small.naive_batch
+    )
     model = case.model.eval()
     L = model.tgt_len
     x_all = case.tokens
@@ -492,6 +510,7 @@ def bench_main_pass(s: Sizes, device: torch.device, stepper: Stepper, log: Calla
     if s.memory:
         pf, pn = step_peak(fast, torch.device("cpu")) / 2**20, step_peak(naive, torch.device("cpu")) / 2**20
     return {
+        "pair": pair,
         "batch": x.shape[0],
         "tgt_len": L,
         "efficient_ms": 1000 * statistics.median(tf),
@@ -567,10 +586,9 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         for r in res["range"]["rows"][1:]:
             add(f"{r['config']} tokens/s / txl(same range)", r["speedup_vs_txl_same_range"], 5.0, True)
     if "scaling" in res:
-        rows = res["scaling"]["token/last_state"]
-        add(
-            "token/last_state step(n_slot max) / step(n_slot min)", rows[-1]["time_ratio_vs_ref"], 1.25, False
-        )
+        pair = "/".join(SCALING_PAIRS[0])
+        rows = res["scaling"][pair]
+        add(f"{pair} step(n_slot max) / step(n_slot min)", rows[-1]["time_ratio_vs_ref"], 1.25, False)
     if "strategies" in res:
         for r in res["strategies"]["train"][1:]:
             name = r["config"]  # crtn(STRATEGY/SUMMARY)
@@ -656,11 +674,9 @@ def main(argv: list[str] | None = None) -> int:
         sizes.rounds = a.rounds
     if a.strategies:
         chosen = tuple(x for x in a.strategies.split(",") if x)
-        unknown = [x for x in chosen if x not in STRATEGY_DEFAULTS]
+        unknown = [x for x in chosen if x not in STRATEGIES]
         if unknown:
-            p.error(
-                f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGY_DEFAULTS)}"
-            )
+            p.error(f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
         sizes.strategies = chosen
     t0 = time.perf_counter()
 

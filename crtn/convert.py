@@ -30,7 +30,7 @@ Sources (``format=auto`` tells them apart):
   rates, ``pre_lnorm``, ``attn_type``...) are used.
 
 Hyper-parameters, in increasing priority: :class:`crtn.config.ModelConfig`
-defaults < inferred from tensor shapes (:func:`infer_hparams`: ``n_layer``,
+defaults (the command line's; ``mem_len`` defaults to ``tgt_len``) < inferred from tensor shapes (:func:`infer_hparams`: ``n_layer``,
 ``n_head``, ``d_head``, ``d_model``, ``d_embed``, ``d_inner``, ``div_val``,
 ``cutoffs`` when ``div_val > 1``, ``untie_r``, ``tie_weight``, ``tie_projs``) <
 the source's config or module attributes < ``model.KEY=VALUE`` on the command
@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from crtn.config import DataConfig
 from crtn.errors import UserError
@@ -568,11 +568,8 @@ def resolve_hparams(
     Raises:
         ConversionError: ``cutoffs`` needed but not determinable, vocabulary sizes disagree.
     """
-    from dataclasses import asdict
+    from crtn.config import train_config
 
-    from crtn.config import ModelConfig
-
-    defaults = asdict(ModelConfig())
     inferred = infer_hparams(src)
     n_token = inferred.pop("n_token")
     if src.n_token is not None and src.n_token != n_token:
@@ -582,7 +579,11 @@ def resolve_hparams(
             f"vocab_size/n_token={src.n_token}"
         )
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    cfg = {**defaults, **inferred, **src.hparams, **given, "name": "txl"}
+    known = {**inferred, **src.hparams, **given}
+    # the schema's defaults; mem_len follows tgt_len (known or default), as on the command line
+    schema = train_config({"model.tgt_len": known["tgt_len"]} if "tgt_len" in known else {})
+    defaults = OmegaConf.to_container(schema.model, resolve=True)
+    cfg = {**defaults, **known, "name": "txl"}
     assumed = [k for k in NOT_INFERABLE if k not in src.hparams and k not in given]
     if "cutoffs" not in inferred and "cutoffs" not in src.hparams and "cutoffs" not in given:
         c = int(src.tensors["crit.cluster_weight"].shape[0])
