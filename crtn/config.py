@@ -356,10 +356,10 @@ def default_summary(strategy: str) -> str:
     raise ConfigError(f"conf/query/{strategy}.yaml selects no summary")
 
 
-def _model_name(model: Any) -> str:
+def _model_name(model: Any) -> Any:
     if isinstance(model, str):
         return model
-    return model["name"] if isinstance(model, dict) else model.name
+    return model.get("name") if isinstance(model, dict) else getattr(model, "name", None)
 
 
 def uses_cache(model: Any) -> bool:
