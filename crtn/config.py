@@ -366,15 +366,10 @@ def uses_cache(model: Any) -> bool:
     """Whether a model keeps the key-value cache of past segments (and so uses the cache, query and
     summary nodes). ``model``: a model config node, a model, or a model name.
 
-    The only place outside ``crtn/model/`` that knows which model names have a cache.
+    The only place outside ``crtn/model/`` (and :func:`validate_model`) that knows which model
+    names have a cache.
     """
     return _model_name(model) == "crtn"
-
-
-def uses_memory(model: Any) -> bool:
-    """Whether a model carries the short-term memory across segments (``mem_len`` applies).
-    ``model``: a model config node, a model, or a model name."""
-    return _model_name(model) in ("txl", "crtn")
 
 
 def data_level(data: Any) -> str:
@@ -499,7 +494,7 @@ def validate_eval(ev: Any, model: Any) -> None:
             raise ConfigError(f"eval.{key}={value} must be >= 0")
     if ev.batch_size is not None and ev.batch_size <= 0:
         raise ConfigError(f"eval.batch_size={ev.batch_size} must be > 0")
-    if model.name == "crtn":
+    if uses_cache(model):
         tgt = ev.tgt_len if ev.tgt_len is not None else model.tgt_len
         mem = ev.mem_len if ev.mem_len is not None else model.mem_len
         if mem % tgt != 0:

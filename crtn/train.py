@@ -38,13 +38,11 @@ from crtn.app import resolve_device, run_app
 from crtn.config import uses_cache, validate_train
 from crtn.distributed import DistributedContext
 from crtn.evaluate import format_metrics
-from crtn.trainer import Trainer, TrainingDiverged, init_from, lr_factor
+from crtn.trainer import Trainer, TrainingDiverged, lr_factor
 
 __all__ = ["TrainingDiverged", "Trainer", "lr_factor", "main", "run_training"]
 
 log = logging.getLogger("crtn.train")
-
-_init_from = init_from  # the name tests/test_convert.py imports
 
 
 def _set_seed(seed: int) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from crtn.config import STRATEGIES, train_config
+from crtn.config import STRATEGIES, train_config, uses_cache
 from crtn.model import TransformerLM, build_model
 
 
@@ -149,7 +149,7 @@ class Stepper:
     def fill(self, case: Case) -> None:
         """Run until memory and cache are full (steady state), without timing."""
         m = case.model
-        steps = m.mem_len // m.tgt_len + (m.n_slot if m.name == "crtn" else 0) + 1
+        steps = m.mem_len // m.tgt_len + (m.n_slot if uses_cache(m) else 0) + 1
         opt, case.opt = case.opt, None
         for _ in range(steps):
             self(case)
