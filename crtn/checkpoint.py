@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from crtn.config import train_config
 from crtn.errors import CheckpointError
 
 FORMAT = "crtn-checkpoint"
@@ -95,11 +97,7 @@ def checkpoint_config(ckpt: dict[str, Any]) -> Any:
     Raises:
         omegaconf.errors.ValidationError: a saved value does not fit the schema.
     """
-    from omegaconf import OmegaConf
-
-    from crtn.config import TrainAppConfig
-
-    return OmegaConf.merge(OmegaConf.structured(TrainAppConfig), ckpt["config"])
+    return OmegaConf.merge(train_config(), ckpt["config"])
 
 
 def rng_state() -> dict[str, Any]:

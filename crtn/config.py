@@ -16,9 +16,11 @@ cache (``n_slot``, ``top_k``, ``d_key``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
-from omegaconf import MISSING
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from crtn.errors import ConfigError
 from crtn.model import MODELS as MODEL_CLASSES
@@ -34,7 +36,10 @@ WINDOW_STRATEGIES = tuple(q for q, cls in STRATEGY_CLASSES.items() if cls.kind =
 # SPEC §3, "Summaries": which summaries each query kind may be paired with.
 WINDOW_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "window" in cls.kinds)
 TOKEN_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "token" in cls.kinds)
+#: Every value of ``data.name``.
 DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
+#: Character-level corpora (metric bpc); ``text`` is either, by ``data.level``.
+CHAR_DATASETS = ("enwik8", "text8")
 SCHEDULERS = ("cosine", "inv_sqrt", "constant")
 
 
@@ -43,13 +48,13 @@ class ModelConfig:
     """Transformer hyper-parameters shared by ``vanilla``, ``txl`` and ``crtn`` (SPEC §1-2)."""
 
     name: str = "crtn"  # vanilla | txl | crtn
-    n_layer: int = 4
+    n_layer: int = 3
     n_head: int = 4
-    d_model: int = 256
-    d_head: int = 64
-    d_inner: int = 1024
+    d_model: int = 128
+    d_head: int = 32
+    d_inner: int = 256
     d_embed: int | None = None  # None: d_model
-    dropout: float = 0.1
+    dropout: float = 0.0
     dropatt: float = 0.0
     # regularisation of the CRTN authors' recipe (off by default; see crtn/model/dropout.py)
     dropemb: float = 0.0  # word dropout: whole word types (embedding rows) dropped per forward call
@@ -57,8 +62,8 @@ class ModelConfig:
     dropfor: float | None = None  # dropout inside the feed-forward; None: dropout
     dropatt_out: float | None = None  # dropout on the attention output; None: dropout
     locked_dropout: bool = False  # variational dropout (one mask per sequence) except dropatt/dropemb
-    tgt_len: int = 64  # L: tokens predicted per step
-    mem_len: int = 64  # m: short-term memory, positions per layer
+    tgt_len: int = 32  # L: tokens predicted per step
+    mem_len: int = II("model.tgt_len")  # m: short-term memory, positions per layer; one segment by default
     clamp_len: int = -1  # relative distances above this use clamp_len's embedding; -1: none
     same_length: bool = False
     pre_lnorm: bool = False
@@ -76,7 +81,7 @@ class ModelConfig:
 class CacheConfig:
     """The key-value cache of past segments (SPEC §3)."""
 
-    n_slot: int = 16  # N: past segments held per batch row
+    n_slot: int = 8  # N: past segments held per batch row
     top_k: int = 2  # k: segments retrieved per query token
     alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
     theta: float = 1.0  # temperature multiplying the retrieval scores before the softmax
@@ -104,10 +109,10 @@ class QueryConfig:
 class SummaryConfig:
     """Summary of an L x d block into a key or query (SPEC §3, "Summaries")."""
 
-    name: str = "last_state"
-    d_key: int | None = (
-        None  # linear: output width (None: d_model); token_max: learned map to d_key (None: none)
-    )
+    name: str = "token_max"  # the default of query=token; each conf/query option selects its own
+    # linear: output width (None: d_model; conf/summary/linear.yaml: 128); token_max: a learned map
+    # of queries and rows to d_key (None: none)
+    d_key: int | None = None
     tanh: bool = False  # linear only
 
 
@@ -115,15 +120,15 @@ class SummaryConfig:
 class SyntheticConfig:
     """The passage-recall corpus (SPEC §4)."""
 
-    vocab_size: int = 128
+    vocab_size: int = 512
     branching: int = 16  # successors per symbol in the sparse Markov source
     concentration: float = 1.0  # Dirichlet concentration of the successor probabilities
     passage_len: int = 16  # P
     doc_passages: int = 64  # passages per document
     p_repeat: float = 0.5  # probability that a passage copies an earlier one
     min_gap: int = 160  # tokens between the copied passage and its copy, at least
-    max_gap: int = 320  # ... and at most
-    train_tokens: int = 1_000_000
+    max_gap: int = 256  # ... and at most
+    train_tokens: int = 2_000_000
     valid_tokens: int = 65_536
     test_tokens: int = 65_536
     seed: int = 1234
@@ -142,7 +147,7 @@ class DataConfig:
     split: list[float] = field(default_factory=lambda: [0.9, 0.05, 0.05])  # name=text
     cache_dir: str | None = None  # vocabulary/encoding cache; None: beside the data
     batch_size: int = 16
-    eval_batch_size: int = 10
+    eval_batch_size: int = 16  # conf/data options of real corpora: 10
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -151,11 +156,11 @@ class OptimConfig:
     """Adam with warm-up and a schedule, gradient clipping (SPEC §5)."""
 
     name: str = "adam"
-    lr: float = 2.5e-4
+    lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     scheduler: str = "cosine"  # cosine | inv_sqrt | constant
-    warmup_step: int = 0
+    warmup_step: int = 100
     eta_min: float = 0.0  # cosine: final learning rate
     clip: float = 0.25
 
@@ -164,10 +169,10 @@ class OptimConfig:
 class TrainConfig:
     """Length, logging, evaluation and checkpointing of a training run."""
 
-    max_step: int = 1000
+    max_step: int = 1500
     max_time: float | None = None  # wall-clock seconds of training; stops early
     batch_chunk: int = 1  # gradient accumulation: the batch is split into this many chunks
-    log_interval: int = 50
+    log_interval: int = 100
     eval_interval: int = 500
     eval_max_step: int | None = None  # segments per validation during training; None: all
     checkpoint_interval: int | None = None  # None: every eval_interval steps
@@ -245,17 +250,143 @@ class EvalAppConfig:
     progress: bool = True
 
 
-def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
+@dataclass
+class GenerateAppConfig:
+    """Root of ``crtn-generate``'s config (``conf/generate.yaml``)."""
 
+    checkpoint: str = MISSING
+    prompt: str = ""  # the text to continue; empty: start after an <eos> (word level)
+    prompt_file: str | None = None  # read the prompt from this UTF-8 file instead
+    max_new_tokens: int = 50
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # sample among the k most likely tokens; 0: all (cache.top_k is unrelated)
+    seed: int = 1111
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    out: str | None = None  # also write a JSON record (prompt, ids, text, settings) here
+    eval: EvalConfig = field(default_factory=EvalConfig)  # eval-time lengths, as crtn-eval
+    cache: CacheOverrides = field(default_factory=CacheOverrides)
+    data: DataOverrides = field(default_factory=DataOverrides)  # where the corpus is (vocab fallback)
+
+
+@dataclass
+class ModelOverrides:
+    """``model.KEY=VALUE`` of ``crtn-convert``: null keeps what the source says (or implies)."""
+
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    d_head: int | None = None
+    d_inner: int | None = None
+    d_embed: int | None = None
+    dropout: float | None = None
+    dropatt: float | None = None
+    tgt_len: int | None = None
+    mem_len: int | None = None
+    clamp_len: int | None = None
+    same_length: bool | None = None
+    pre_lnorm: bool | None = None
+    untie_r: bool | None = None
+    cutoffs: list[int] | None = None
+    div_val: int | None = None
+    tie_weight: bool | None = None
+    tie_projs: list[bool] | None = None
+    init_std: float | None = None
+    proj_init_std: float | None = None
+    layer_norm_eps: float | None = None
+
+
+@dataclass
+class ConvertAppConfig:
+    """Root of ``crtn-convert``'s config (``conf/convert.yaml``)."""
+
+    src: str = MISSING  # HF TransfoXLLMHeadModel folder, or a release model.pt / state_dict file
+    out: str = MISSING  # output folder: model.pt, model/converted.yaml, convert.log
+    vocab: str | None = None  # vocabulary file: one symbol per line (first field), id order
+    format: str = "auto"  # auto | hf | release
+    trust_pickle: bool = False  # allow unpickling a whole MemTransformerLM module (runs its code)
+    model: ModelOverrides = field(default_factory=ModelOverrides)
+    data: DataConfig | None = None  # the data group (data=ptb ...), stored in the checkpoint's config
+
+
+#: The schema of each Hydra app, by primary config name (``conf/NAME.yaml`` starts from ``NAME_schema``).
+APP_SCHEMAS: dict[str, type] = {
+    "train": TrainAppConfig,
+    "eval": EvalAppConfig,
+    "generate": GenerateAppConfig,
+    "convert": ConvertAppConfig,
+}
+
+
+def register_configs() -> None:
+    """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
+    ``convert_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
-
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainAppConfig)
-    cs.store(name="eval_schema", node=EvalAppConfig)
+    for name, schema in APP_SCHEMAS.items():
+        cs.store(name=f"{name}_schema", node=schema)
+
+
+def train_config(overrides: dict[str, Any] | None = None) -> DictConfig:
+    """``crtn-train``'s default config, i.e. the schema (what ``crtn-train`` composes without
+    arguments), with ``overrides`` applied: dotted keys, e.g. ``{"model.n_layer": 2}``.
+
+    The tests (``tests/helpers.py``) and the benchmark build their configs from it.
+    """
+    cfg = OmegaConf.structured(TrainAppConfig)
+    for key, value in (overrides or {}).items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def default_summary(strategy: str) -> str:
+    """The summary that ``query=<strategy>`` selects by default: read from the option's own file,
+    ``conf/query/<strategy>.yaml`` (its defaults list overrides the summary group).
+
+    Raises:
+        ConfigError: no such query option, or it selects no summary.
+    """
+    path = resources.files("crtn.conf") / "query" / f"{strategy}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"query={strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    for entry in OmegaConf.create(path.read_text()).get("defaults", []):
+        for key, value in entry.items():
+            if key.split("@")[0].removeprefix("override ").strip("/") == "summary":
+                return str(value)
+    raise ConfigError(f"conf/query/{strategy}.yaml selects no summary")
+
+
+def _model_name(model: Any) -> Any:
+    if isinstance(model, str):
+        return model
+    return model.get("name") if isinstance(model, dict) else getattr(model, "name", None)
+
+
+def uses_cache(model: Any) -> bool:
+    """Whether a model keeps the key-value cache of past segments (and so uses the cache, query and
+    summary nodes). ``model``: a model config node, a model, or a model name.
+
+    Asks the model registry (``has_cache``); unknown names have none.
+    """
+    cls = MODEL_CLASSES.get(_model_name(model))
+    return cls is not None and cls.has_cache
+
+
+def data_level(data: Any) -> str:
+    """``word`` or ``char``: the level of the corpus a ``data`` node (or plain dict) describes,
+    without reading it (``data.name=text`` says it in ``data.level``)."""
+    get = data.get if isinstance(data, dict) else lambda k, d=None: getattr(data, k, d)
+    name = get("name")
+    if name in CHAR_DATASETS:
+        return "char"
+    if name == "text":
+        return get("level") or "word"
+    return "word"
+
+
+def metric_name(level: str) -> str:
+    """``ppl`` for word-level corpora (and the synthetic one), ``bpc`` for character-level ones (SPEC §5)."""
+    return "bpc" if level == "char" else "ppl"
 
 
 def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
@@ -299,7 +430,7 @@ def validate_eval(ev: Any, model: Any) -> None:
             raise ConfigError(f"eval.{key}={value} must be >= 0")
     if ev.batch_size is not None and ev.batch_size <= 0:
         raise ConfigError(f"eval.batch_size={ev.batch_size} must be > 0")
-    if model_class(model.name).has_cache:
+    if uses_cache(model):
         tgt = ev.tgt_len if ev.tgt_len is not None else model.tgt_len
         mem = ev.mem_len if ev.mem_len is not None else model.mem_len
         if mem % tgt != 0:

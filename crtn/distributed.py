@@ -19,6 +19,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from crtn.config import uses_cache
+
 
 class DistributedContext:
     """Rank, world size and device of this process, and the few collective operations training needs.
@@ -65,7 +67,7 @@ class DistributedContext:
             dev = torch.device("cpu")
         if not tdist.is_initialized():
             tdist.init_process_group("nccl" if use_cuda else "gloo")
-        return cls(rank, world, local, dev, True)
+        return cls(rank=rank, world_size=world, local_rank=local, device=dev, enabled=True)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DistributedDataParallel around ``model`` when distributed, else ``model`` itself.
@@ -76,7 +78,7 @@ class DistributedContext:
         if not self.enabled:
             return model
         ids = [self.device] if self.device.type == "cuda" else None
-        unused = getattr(model, "name", "") == "crtn"
+        unused = uses_cache(model)
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused)
 
     def no_sync(self, ddp_model: nn.Module, last: bool):

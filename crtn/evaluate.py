@@ -27,14 +27,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from crtn.app import resolve_device, run_app
+from crtn.checkpoint import checkpoint_config, load_checkpoint
+from crtn.config import metric_name, uses_cache, validate_eval
+from crtn.data import load_corpus
 from crtn.errors import UserError
-from crtn.model import RetrievalStats, TransformerLM
+from crtn.model import RetrievalStats, TransformerLM, build_model
 
 log = logging.getLogger(__name__)
 
 EVAL_LENGTHS = ("tgt_len", "mem_len", "clamp_len", "same_length", "n_slot", "top_k")
+# Word-frequency buckets of the CRTN paper's analysis (SPEC §5): occurrences in the training split.
+FREQ_EDGES = [100, 1000, 10000]
+FREQ_LABELS = ["<100", "100-1K", "1K-10K", ">10K"]
 
 
 @contextmanager
@@ -59,14 +68,10 @@ def eval_lengths(model: TransformerLM, ev: Any) -> Iterator[None]:
         model.reset_length(**saved)
 
 
-def metric_name(level: str) -> str:
-    """``ppl`` for word-level corpora, ``bpc`` for character-level ones (SPEC §5)."""
-    return "bpc" if level == "char" else "ppl"
-
-
 def metric_value(loss: float, level: str) -> float:
-    """exp(loss) (perplexity) or loss / ln 2 (bits per character); loss in nats per token."""
-    if level == "char":
+    """exp(loss) (perplexity) or loss / ln 2 (bits per character), as :func:`crtn.config.metric_name`
+    chooses for ``level``; loss in nats per token."""
+    if metric_name(level) == "bpc":
         return loss / math.log(2)
     return math.exp(min(loss, 700.0))
 
@@ -105,21 +110,9 @@ def evaluate(
     state = model.init_state(it.local_batch_size, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    labelled = corpus.labels is not None
-    if labelled:
-        eos = corpus.vocab.eos_idx
-        sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
-        skip = corpus.info.get("repeat_skip", 0)
-        gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
-        row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
-        where = torch.zeros(
-            4, dtype=torch.float64, device=device
-        )  # repeat tokens: in memory, cached, hit, all
+    recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
     stats = RetrievalStats()
-    bucket_of = None
-    if corpus.level == "word" and corpus.train_counts is not None and corpus.name != "synthetic":
-        bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
-        bucket_sums = torch.zeros(2, len(FREQ_EDGES) + 1, dtype=torch.float64, device=device)
+    buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
     nll_tokens, target_tokens = [], []
     t_start = time.perf_counter()
     bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
@@ -131,68 +124,108 @@ def evaluate(
         state = out.state
         total += out.nll.sum(dtype=torch.float64)
         count += out.nll.numel()
-        if bucket_of is not None:
-            b = bucket_of[batch.target].reshape(-1)
-            bucket_sums[0].index_add_(0, b, out.nll.reshape(-1).double())
-            bucket_sums[1].index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
+        if buckets is not None:
+            buckets.add(batch, out)
         if per_token:
             nll_tokens.append(out.nll.float().cpu())
             target_tokens.append(batch.target.cpu())
         if out.selection is not None:
             stats.update(out.selection.age, state.cache.seg_len)
-        if labelled:
-            label = batch.label
-            correct = (model.crit.log_prob(out.hidden).argmax(-1) == batch.target).double()
-            masks = {"repeat": label > skip, "fresh": (label == 0) & (batch.target != eos)}
-            for k, m in masks.items():
-                m = m.double()
-                sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
-            if gap_all is not None:
-                where += _source_location(out, state, batch, gap_all, row_base, masks["repeat"], model)
+        if recall is not None:
+            recall.add(model, batch, out, state)
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t_start
     loss = (total / max(count, 1)).item()
     level = corpus.level
-    result: dict[str, Any] = {
-        "split": split,
-        "loss": loss,
-        metric_name(level): metric_value(loss, level),
-        "tokens": count,
-        "segments": n_seg,
-        "time_s": elapsed,
-        "tokens_per_s": count / elapsed if elapsed > 0 else None,
-        "tgt_len": model.tgt_len,
-        "mem_len": model.mem_len,
-    }
-    if model.name == "crtn":
+    result: dict[str, Any] = {"split": split, "loss": loss, metric_name(level): metric_value(loss, level)}
+    result.update(
+        tokens=count, segments=n_seg, time_s=elapsed, tokens_per_s=count / elapsed if elapsed > 0 else None
+    )
+    result.update(tgt_len=model.tgt_len, mem_len=model.mem_len)
+    if uses_cache(model):
         result.update(n_slot=model.n_slot, top_k=model.top_k, retrieval=stats.summary())
-    if labelled:
-        src = corpus.source_nll[split] if corpus.source_nll is not None else None
-        labels_all = corpus.labels[split].long()
-        target_all = corpus.splits[split]
-        for k in ("repeat", "fresh"):
-            s_nll, s_acc, n = sums[k].tolist()
-            entry: dict[str, Any] = {"tokens": int(n)}
-            if n > 0:
-                entry.update(loss=s_nll / n, ppl=math.exp(min(s_nll / n, 700.0)), acc=s_acc / n)
-            if src is not None:
-                m = labels_all > skip if k == "repeat" else (labels_all == 0) & (target_all != eos)
-                m = m & torch.isfinite(src)
-                if m.any():
-                    entry["source_ppl"] = math.exp(src[m].double().mean().item())
-            result[k] = entry
-        if gap_all is not None and where[3] > 0:
-            mem, cached, hit, n = where.tolist()
-            result["repeat"]["source_in_memory"] = mem / n
-            result["repeat"]["source_in_cache"] = cached / n
-            result["repeat"]["source_retrieved"] = hit / n
-    if bucket_of is not None and count > 0:
-        result["freq_buckets"] = freq_bucket_ppl(bucket_sums)
+    if recall is not None:
+        result.update(recall.metrics(corpus, split))
+    if buckets is not None and count > 0:
+        result["freq_buckets"] = freq_bucket_ppl(buckets.sums)
     if per_token:
         result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
         result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
     return result
+
+
+class _RecallSums:
+    """Passage-recall sums over a split of the synthetic corpus (SPEC §4): NLL, correct predictions
+    and count on ``repeat`` and ``fresh`` tokens, and where the copied source of repeat tokens lay."""
+
+    def __init__(self, corpus: Any, split: str, it: Any, device: torch.device | str):
+        self.eos = corpus.vocab.eos_idx
+        self.sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
+        self.skip = corpus.info.get("repeat_skip", 0)
+        self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
+        self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
+        # repeat tokens: source in memory, cached, retrieved; all
+        self.where = torch.zeros(4, dtype=torch.float64, device=device)
+
+    def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
+        label = batch.label
+        correct = (model.crit.log_prob(out.hidden).argmax(-1) == batch.target).double()
+        masks = {"repeat": label > self.skip, "fresh": (label == 0) & (batch.target != self.eos)}
+        for k, m in masks.items():
+            m = m.double()
+            self.sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
+        if self.gap_all is not None:
+            self.where += _source_location(
+                out,
+                state,
+                batch,
+                gap_all=self.gap_all,
+                row_base=self.row_base,
+                repeat=masks["repeat"],
+                model=model,
+            )
+
+    def metrics(self, corpus: Any, split: str) -> dict[str, Any]:
+        """``{"repeat": {...}, "fresh": {...}}``: tokens, loss, ppl, acc, the source's ppl, where the source lay."""
+        src = corpus.source_nll[split] if corpus.source_nll is not None else None
+        labels_all = corpus.labels[split].long()
+        target_all = corpus.splits[split]
+        result: dict[str, Any] = {}
+        for k in ("repeat", "fresh"):
+            s_nll, s_acc, n = self.sums[k].tolist()
+            entry: dict[str, Any] = {"tokens": int(n)}
+            if n > 0:
+                entry.update(loss=s_nll / n, ppl=math.exp(min(s_nll / n, 700.0)), acc=s_acc / n)
+            if src is not None:
+                m = labels_all > self.skip if k == "repeat" else (labels_all == 0) & (target_all != self.eos)
+                m = m & torch.isfinite(src)
+                if m.any():
+                    entry["source_ppl"] = math.exp(src[m].double().mean().item())
+            result[k] = entry
+        if self.gap_all is not None and self.where[3] > 0:
+            mem, cached, hit, n = self.where.tolist()
+            result["repeat"]["source_in_memory"] = mem / n
+            result["repeat"]["source_in_cache"] = cached / n
+            result["repeat"]["source_retrieved"] = hit / n
+        return result
+
+
+class _FreqBuckets:
+    """NLL sums and token counts per training-frequency bucket of the target word (SPEC §5)."""
+
+    @staticmethod
+    def applies(corpus: Any) -> bool:
+        return corpus.level == "word" and corpus.train_counts is not None and corpus.name != "synthetic"
+
+    def __init__(self, corpus: Any, device: torch.device | str):
+        self.bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
+        self.sums = torch.zeros(2, len(FREQ_EDGES) + 1, dtype=torch.float64, device=device)
+
+    def add(self, batch: Any, out: Any) -> None:
+        b = self.bucket_of[batch.target].reshape(-1)
+        self.sums[0].index_add_(0, b, out.nll.reshape(-1).double())
+        self.sums[1].index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
 
 
 def _source_location(
@@ -232,11 +265,6 @@ def _source_location(
     return torch.stack(counts).double()
 
 
-# Word-frequency buckets of the CRTN paper's analysis (SPEC §5): occurrences in the training split.
-FREQ_EDGES = [100, 1000, 10000]
-FREQ_LABELS = ["<100", "100-1K", "1K-10K", ">10K"]
-
-
 def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
     """Perplexity per training-frequency bucket: sums [2, 4] (NLL sum, token count) -> JSON dict."""
     out = {}
@@ -272,11 +300,6 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
     Raises:
         CheckpointError: unreadable checkpoint. ConfigError: invalid ``eval.*`` values.
     """
-    from omegaconf import OmegaConf
-
-    from crtn.checkpoint import checkpoint_config, load_checkpoint
-    from crtn.config import validate_eval
-
     ckpt = load_checkpoint(cfg.checkpoint)
     train_cfg = checkpoint_config(ckpt)
     for section in ("cache", "data"):
@@ -288,12 +311,6 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
 
 def run_eval(cfg: Any) -> dict[str, Any]:
     """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from crtn.data import load_corpus
-    from crtn.model import build_model
-    from crtn.train import resolve_device
-
     ckpt, train_cfg = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
     corpus = load_corpus(train_cfg.data)
@@ -305,7 +322,15 @@ def run_eval(cfg: Any) -> dict[str, Any]:
         for split in cfg.splits:
             if split not in corpus.splits:
                 raise UserError(f"splits: {split!r} is not one of {', '.join(corpus.splits)}")
-            m = evaluate(model, corpus, split, batch_size, device, cfg.eval.max_step, cfg.progress)
+            m = evaluate(
+                model,
+                corpus,
+                split,
+                batch_size=batch_size,
+                device=device,
+                max_step=cfg.eval.max_step,
+                progress=cfg.progress,
+            )
             print(format_metrics(m), flush=True)
             results[split] = _jsonable(m)
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
@@ -314,22 +339,9 @@ def run_eval(cfg: Any) -> dict[str, Any]:
     return results
 
 
-def _task(cfg: Any) -> dict[str, Any]:
-    from crtn.train import run_with_status
-
-    return run_with_status("crtn-eval", run_eval, cfg)
-
-
 def main() -> None:
     """Console entry point of ``crtn-eval`` (a Hydra app, config ``conf/eval.yaml``)."""
-    import hydra
-
-    from crtn.config import register_configs
-    from crtn.utils import tune_allocator
-
-    tune_allocator()
-    register_configs()
-    hydra.main(config_path="pkg://crtn.conf", config_name="eval", version_base="1.3")(_task)()
+    run_app("crtn-eval", "eval", run_eval, record_status=True)
 
 
 if __name__ == "__main__":

@@ -32,47 +32,24 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import MISSING
+from omegaconf import OmegaConf
 from torch import Tensor
 
-from crtn.config import CacheOverrides, DataOverrides, EvalConfig
+from crtn.app import resolve_device, run_app
+from crtn.config import data_level
+from crtn.data import load_corpus
 from crtn.errors import UserError
+from crtn.evaluate import eval_lengths, load_with_overrides
+from crtn.model import build_model
 
 log = logging.getLogger("crtn.generate")
 
 EOS = "<eos>"
 UNK = "<unk>"
-
-
-# ============================================================================ config schema
-@dataclass
-class GenerateAppConfig:
-    """Root of ``crtn-generate``'s config (``conf/generate.yaml``)."""
-
-    checkpoint: str = MISSING
-    prompt: str = ""  # the text to continue; empty: start after an <eos> (word level)
-    prompt_file: str | None = None  # read the prompt from this UTF-8 file instead
-    max_new_tokens: int = 50
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # sample among the k most likely tokens; 0: all (cache.top_k is unrelated)
-    seed: int = 1111
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto
-    out: str | None = None  # also write a JSON record (prompt, ids, text, settings) here
-    eval: EvalConfig = field(default_factory=EvalConfig)  # eval-time lengths, as crtn-eval
-    cache: CacheOverrides = field(default_factory=CacheOverrides)
-    data: DataOverrides = field(default_factory=DataOverrides)  # where the corpus is (vocab fallback)
-
-
-def register_configs() -> None:
-    """Register ``generate_schema`` in Hydra's ConfigStore."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="generate_schema", node=GenerateAppConfig)
 
 
 # ============================================================================ decoding
@@ -258,59 +235,22 @@ def decode(ids: Sequence[int], symbols: Sequence[str], mode: str = "words") -> s
 
 
 # ============================================================================ CLI
-def _level(data: Any) -> str:
-    if data.name in ("enwik8", "text8"):
-        return "char"
-    if data.name == "text":
-        return data.level
-    return "word"
-
-
 def run_generate(cfg: Any) -> dict[str, Any]:
     """``crtn-generate``: sample a continuation of ``cfg.prompt`` from ``cfg.checkpoint``.
 
     Raises:
         UserError: bad checkpoint, settings or prompt (one line).
     """
-    from omegaconf import OmegaConf
-
-    from crtn.evaluate import eval_lengths, load_with_overrides
-    from crtn.model import build_model
-    from crtn.train import resolve_device
-
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise UserError("checkpoint=PATH is required (a crtn-train or crtn-convert checkpoint)")
-    if cfg.max_new_tokens < 0:
-        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 0")
-    if cfg.temperature < 0:
-        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0: greedy)")
-    if cfg.top_k < 0:
-        raise UserError(f"top_k={cfg.top_k} must be >= 0 (0: no top-k filtering)")
+    _check_settings(cfg)
     ckpt, train_cfg = load_with_overrides(cfg)
-
     symbols = ckpt.get("vocab")
     if symbols is None:
-        from crtn.data import load_corpus
-
         log.info("the checkpoint has no vocabulary; reading it from data.name=%s", train_cfg.data.name)
         symbols = load_corpus(train_cfg.data).vocab.idx2sym
     symbols = list(symbols)
-    mode = text_mode(symbols, _level(train_cfg.data), train_cfg.data.name)
-
-    if cfg.prompt_file:
-        path = Path(cfg.prompt_file)
-        if not path.is_file():
-            raise UserError(f"prompt_file={str(path)!r} does not exist")
-        prompt = path.read_text(encoding="utf-8")
-    else:
-        prompt = cfg.prompt
-    prompt_ids = encode_prompt(prompt, symbols, mode)
-    if not prompt_ids:
-        if EOS not in symbols:
-            raise UserError(
-                "the prompt is empty and the vocabulary has no <eos> to start from; give prompt=..."
-            )
-        prompt_ids = [symbols.index(EOS)]
+    mode = text_mode(symbols, data_level(train_cfg.data), train_cfg.data.name)
+    prompt = _read_prompt(cfg)
+    prompt_ids = _prompt_ids(prompt, symbols, mode)
 
     device = resolve_device(cfg.device)
     model = build_model(train_cfg, len(symbols)).to(device)
@@ -323,7 +263,15 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(cfg.seed)
     with eval_lengths(model, cfg.eval):
         lm = IncrementalLM(model, device)
-        new = generate(model, prompt_ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator, lm)
+        new = generate(
+            model,
+            prompt_ids,
+            cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            generator=generator,
+            lm=lm,
+        )
     prompt_text = decode(prompt_ids, symbols, mode)
     new_text = decode(new, symbols, mode)
     sep = (
@@ -333,16 +281,7 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     )
     text = prompt_text + sep + new_text
     print(text, flush=True)
-    cache = lm.state.cache
-    log.info(
-        "%d prompt + %d new tokens, %d forward passes, tgt_len=%d, memory %d positions, cache %s",
-        len(prompt_ids),
-        len(new),
-        lm.n_forward,
-        model.tgt_len,
-        0 if lm.state.mem is None else lm.state.mem.shape[2],
-        "off" if cache is None else f"{cache.n_valid}/{cache.n_slot} slots filled",
-    )
+    _log_state(lm, model, len(prompt_ids), len(new))
     record = {
         "checkpoint": str(cfg.checkpoint),
         "prompt": prompt,
@@ -368,19 +307,54 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     return record
 
 
-def _task(cfg: Any) -> dict[str, Any]:
-    from crtn.train import report_user_errors
+def _check_settings(cfg: Any) -> None:
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise UserError("checkpoint=PATH is required (a crtn-train or crtn-convert checkpoint)")
+    if cfg.max_new_tokens < 0:
+        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 0")
+    if cfg.temperature < 0:
+        raise UserError(f"temperature={cfg.temperature} must be >= 0 (0: greedy)")
+    if cfg.top_k < 0:
+        raise UserError(f"top_k={cfg.top_k} must be >= 0 (0: no top-k filtering)")
 
-    with report_user_errors("crtn-generate"):
-        return run_generate(cfg)
+
+def _read_prompt(cfg: Any) -> str:
+    if not cfg.prompt_file:
+        return cfg.prompt
+    path = Path(cfg.prompt_file)
+    if not path.is_file():
+        raise UserError(f"prompt_file={str(path)!r} does not exist")
+    return path.read_text(encoding="utf-8")
+
+
+def _prompt_ids(prompt: str, symbols: list[str], mode: str) -> list[int]:
+    """The prompt's ids; an empty prompt starts after an ``<eos>``."""
+    prompt_ids = encode_prompt(prompt, symbols, mode)
+    if not prompt_ids:
+        if EOS not in symbols:
+            raise UserError(
+                "the prompt is empty and the vocabulary has no <eos> to start from; give prompt=..."
+            )
+        prompt_ids = [symbols.index(EOS)]
+    return prompt_ids
+
+
+def _log_state(lm: IncrementalLM, model: Any, n_prompt: int, n_new: int) -> None:
+    cache = lm.state.cache
+    log.info(
+        "%d prompt + %d new tokens, %d forward passes, tgt_len=%d, memory %d positions, cache %s",
+        n_prompt,
+        n_new,
+        lm.n_forward,
+        model.tgt_len,
+        0 if lm.state.mem is None else lm.state.mem.shape[2],
+        "off" if cache is None else f"{cache.n_valid}/{cache.n_slot} slots filled",
+    )
 
 
 def main() -> None:
     """Console entry point of ``crtn-generate`` (a Hydra app, config ``conf/generate.yaml``)."""
-    import hydra
-
-    register_configs()
-    hydra.main(config_path="pkg://crtn.conf", config_name="generate", version_base="1.3")(_task)()
+    run_app("crtn-generate", "generate", run_generate)
 
 
 if __name__ == "__main__":

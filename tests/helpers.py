@@ -8,34 +8,41 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from crtn.config import TrainAppConfig
+from crtn.config import train_config
 from crtn.model import TransformerLM, build_model
+
+#: Values the tests were written against where they differ from the schema's defaults (which
+#: are the command line's since crtn.config became the one source of defaults).
+TEST_DEFAULTS = {"summary.name": "last_state"}
+#: The synthetic corpus the data tests were written against (data.synthetic.* differing from the schema).
+TEST_SYNTHETIC = {"vocab_size": 128, "max_gap": 320, "train_tokens": 1_000_000}
+
+
+#: The tiny model of the unit tests (dotted keys over the schema).
+TINY = {
+    "model.n_layer": 2,
+    "model.n_head": 2,
+    "model.d_model": 8,
+    "model.d_head": 4,
+    "model.d_inner": 16,
+    "model.tgt_len": 3,
+    "model.mem_len": 3,
+    "model.dropout": 0.0,
+    "model.dropatt": 0.0,
+    "model.init_std": 0.3,
+    "model.proj_init_std": 0.3,
+    "cache.n_slot": 3,
+    "cache.top_k": 2,
+}
 
 
 def tiny_cfg(**overrides: Any):
-    """A ``crtn-train`` config with a tiny model; ``overrides`` are dotted keys, e.g. ``model.n_layer=2``."""
-    cfg = OmegaConf.structured(TrainAppConfig)
-    base = {
-        "model.n_layer": 2,
-        "model.n_head": 2,
-        "model.d_model": 8,
-        "model.d_head": 4,
-        "model.d_inner": 16,
-        "model.tgt_len": 3,
-        "model.mem_len": 3,
-        "model.dropout": 0.0,
-        "model.dropatt": 0.0,
-        "model.init_std": 0.3,
-        "model.proj_init_std": 0.3,
-        "cache.n_slot": 3,
-        "cache.top_k": 2,
-    }
-    base.update(overrides)
-    for key, value in base.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
+    """A ``crtn-train`` config with a tiny model; ``overrides`` are dotted keys, e.g. ``model.n_layer=2``.
+
+    Built like the benchmark's configs: :func:`crtn.config.train_config` (the schema) with
+    explicit overrides (:data:`TINY`, :data:`TEST_DEFAULTS`, then ``overrides``).
+    """
+    return train_config({**TINY, **TEST_DEFAULTS, **overrides})
 
 
 def tiny_model(n_token: int = 11, double: bool = True, **overrides: Any) -> TransformerLM:

@@ -560,7 +560,7 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     """model=crtn with n_slot=0, initialised like crtn-train init_from=..., equals the converted txl."""
     from types import SimpleNamespace
 
-    from crtn.train import _init_from
+    from crtn.trainer import init_from as _init_from
 
     _, out, _, symbols = converted["text"]
     ckpt = load_checkpoint(out / "model.pt")

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from crtn.config import DataConfig, SyntheticConfig
 from crtn.data import StreamIterator, load_corpus, make_synthetic
 from crtn.errors import ConfigError
+from tests.helpers import TEST_SYNTHETIC
 
 SMALL = {
     "vocab_size": 48,
@@ -217,7 +218,7 @@ def test_no_repeats_when_p_is_zero():
 
 def test_default_config_through_load_corpus_is_fast():
     t0 = time.perf_counter()
-    c = load_corpus(OmegaConf.structured(DataConfig))
+    c = load_corpus(OmegaConf.structured(DataConfig(synthetic=SyntheticConfig(**TEST_SYNTHETIC))))
     elapsed = time.perf_counter() - t0
     assert elapsed < 5.0, f"generating the default synthetic corpus took {elapsed:.1f} s"
     assert c.name == "synthetic" and len(c.splits["train"]) == 1_000_000 and len(c.vocab) == 128

@@ -10,7 +10,9 @@ Public API::
         batch.input, batch.target  # int64 [B, L'] batch-first
 """
 
-from crtn.data.corpus import DATASETS, DEFAULT_DIRS, Corpus, cache_dir_for, load_corpus
+from crtn.config import DATASETS
+from crtn.data.base import Corpus
+from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus
 from crtn.data.iterator import Batch, StreamIterator
 from crtn.data.synthetic import MarkovSource, make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab

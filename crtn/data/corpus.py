@@ -46,18 +46,20 @@ import stat
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 
+from crtn.config import DATASETS, metric_name
+from crtn.data.base import SPLITS, Corpus
+from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 from crtn.errors import ConfigError, DataError
 
-#: Every value of ``data.name``.
-DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
 #: Standard corpus folder of each data set (``data.dir`` when it is None).
 DEFAULT_DIRS = {
     "wt2": "wikitext-2",
@@ -66,7 +68,6 @@ DEFAULT_DIRS = {
     "enwik8": "enwik8",
     "text8": "text8",
 }
-SPLITS = ("train", "valid", "test")
 #: Symbols held out at the end of a raw character-level corpus for test, and before them for valid.
 CHAR_HELDOUT = 5_000_000
 #: Bump when the cache format or the encoding rules change.
@@ -78,64 +79,6 @@ _WORD_FILES = {
 }
 _PREPROCESSED_FILES = ("train.txt", "valid.txt", "test.txt")
 _CHUNK_BYTES = 1 << 24
-
-
-@dataclass
-class Corpus:
-    """A tokenised corpus (SPEC §4).
-
-    Attributes:
-        name: ``data.name`` (``"wt2"``, ``"ptb"``, ``"synthetic"``, ...).
-        vocab: the :class:`Vocab` shared by all splits.
-        level: ``"word"`` or ``"char"``.
-        metric: ``"ppl"`` (word level and synthetic) or ``"bpc"`` (character level).
-        splits: ``{"train", "valid", "test"}`` -> 1-D ``torch.int64`` CPU tensor of ids.
-        labels: synthetic only, per split a 1-D ``torch.int16`` tensor aligned with
-            ``splits``: 0 for a fresh token or ``<eos>``, ``i >= 1`` for the i-th
-            token (1-based) of a repeated passage. None for other corpora.
-        source_nll: synthetic only, per split a 1-D ``torch.float32`` tensor: the
-            NLL in nats of each token under the generating Markov source (nan for
-            ``<eos>``, inf where the source gives probability 0, which happens
-            only at the first token of a repeated passage). None otherwise.
-        train_counts: ``torch.int64`` tensor ``[len(vocab)]``: occurrences of each
-            id in the train split (for word-frequency buckets, SPEC §5).
-        info: extra facts (JSON-friendly): token counts, cache use, and for the
-            synthetic corpus the source's entropies and repeat statistics.
-        source: synthetic only, the :class:`crtn.data.synthetic.MarkovSource`.
-        repeat_gap: synthetic only, per split a 1-D ``torch.int32`` tensor: for each
-            token of a copied passage the distance in tokens back to the token it
-            copies, 0 elsewhere (to check what retrieval finds). None otherwise.
-    """
-
-    name: str
-    vocab: Vocab
-    level: str
-    metric: str
-    splits: dict[str, torch.Tensor]
-    train_counts: torch.Tensor
-    labels: dict[str, torch.Tensor] | None = None
-    source_nll: dict[str, torch.Tensor] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    source: Any = None
-    repeat_gap: dict[str, torch.Tensor] | None = None
-
-    def __repr__(self) -> str:
-        sizes = ", ".join(f"{s}={len(t):,}" for s, t in self.splits.items())
-        return f"Corpus({self.name!r}, level={self.level}, vocab={len(self.vocab):,}, {sizes})"
-
-    def iterator(self, split: str, batch_size: int, tgt_len: int, **kwargs: Any):
-        """A :class:`crtn.data.StreamIterator` over ``split`` (labels attached when present).
-
-        ``kwargs`` go to :class:`StreamIterator` (``rank``, ``world_size``, ``drop_last``).
-        """
-        from crtn.data.iterator import StreamIterator
-
-        if split not in self.splits:
-            raise ConfigError(f"split {split!r} is not one of: {', '.join(self.splits)}")
-        labels = None if self.labels is None else self.labels[split]
-        return StreamIterator(
-            self.splits[split], batch_size, tgt_len, labels=labels, split=f"{self.name}/{split}", **kwargs
-        )
 
 
 # ====================================================================== entry point
@@ -160,8 +103,6 @@ def load_corpus(cfg: Any) -> Corpus:
     if name not in DATASETS:
         raise ConfigError(f"data.name={name!r} is not one of: {', '.join(DATASETS)}")
     if name == "synthetic":
-        from crtn.data.synthetic import make_synthetic
-
         return make_synthetic(_get(cfg, "synthetic", None))
     plan = _plan(name, cfg)
     return _load_cached(plan, _get(cfg, "cache_dir", None))
@@ -210,17 +151,18 @@ def _plan(name: str, cfg: Any) -> _Plan:
         files = [folder / f for f in _WORD_FILES[name]]
         _check_folder(name, folder, files)
         _check_files(files)
-        return _Plan(name, "word", "words", True, files, folder)
+        return _Plan(name, level="word", reader="words", eos=True, files=files, corpus_dir=folder)
     # enwik8 / text8: the raw file, or the Transformer-XL release's preprocessed layout
     raw = folder / name
     pre = [folder / f for f in _PREPROCESSED_FILES]
     if raw.is_file():
         _check_files([raw])
         reader = "bytes" if name == "enwik8" else "chars"
-        return _Plan(name, "char", reader, False, [raw], folder, ("heldout", CHAR_HELDOUT))
+        cut = ("heldout", CHAR_HELDOUT)
+        return _Plan(name, level="char", reader=reader, eos=False, files=[raw], corpus_dir=folder, cut=cut)
     if any(f.exists() for f in pre):
         _check_files(pre)
-        return _Plan(name, "char", "words", False, pre, folder)
+        return _Plan(name, level="char", reader="words", eos=False, files=pre, corpus_dir=folder)
     _check_folder(name, folder, [raw])
     raise DataError(
         f"corpus folder {str(folder)!r} has neither the raw file {name!r} nor the preprocessed "
@@ -249,7 +191,10 @@ def _plan_text(cfg: Any) -> _Plan:
         raise DataError(f"data.path: text file {str(file)!r} not found")
     _check_files([file])
     reader = "words" if level == "word" else "chars"
-    return _Plan("text", level, reader, level == "word", [file], file.parent, ("fractions", *fractions))
+    cut = ("fractions", *fractions)
+    return _Plan(
+        "text", level=level, reader=reader, eos=level == "word", files=[file], corpus_dir=file.parent, cut=cut
+    )
 
 
 def _check_folder(name: str, folder: Path, files: list[Path]) -> None:
@@ -386,13 +331,11 @@ def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
     folder = cache_dir_for(plan.corpus_dir, cache_dir)
     if folder is None:
         vocab, arrays, meta = _build(plan)
-        return _make_corpus(plan, vocab, arrays, meta, {"cache": "off"})
+        return _make_corpus(plan, vocab, arrays=arrays, meta=meta, extra={"cache": "off"})
     files = _CacheFiles(folder, plan)
     hit = files.load()  # fast path: a complete cache needs no lock
     status = "loaded"
     if hit is None:
-        from filelock import FileLock
-
         with FileLock(str(files.lock)):
             hit = files.load()  # another process may have built it while we waited
             if hit is None:
@@ -400,7 +343,9 @@ def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
                 files.save(vocab, arrays, meta)
                 hit, status = (vocab, arrays, meta), "built"
     vocab, arrays, meta = hit
-    return _make_corpus(plan, vocab, arrays, meta, {"cache": status, "cache_dir": str(folder)})
+    return _make_corpus(
+        plan, vocab, arrays=arrays, meta=meta, extra={"cache": status, "cache_dir": str(folder)}
+    )
 
 
 def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict, extra: dict) -> Corpus:
@@ -411,7 +356,7 @@ def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta:
         name=plan.name,
         vocab=vocab,
         level=plan.level,
-        metric="ppl" if plan.level == "word" else "bpc",
+        metric=metric_name(plan.level),
         splits=splits,
         train_counts=counts,
         info=info,

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from crtn.data.corpus import SPLITS, Corpus
+from crtn.config import SyntheticConfig, metric_name
+from crtn.data.base import SPLITS, Corpus
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -97,8 +98,6 @@ class MarkovSource:
 
 def _settings(cfg: Any) -> dict[str, Any]:
     """The fields of :class:`crtn.config.SyntheticConfig` read from ``cfg`` (None or missing: defaults)."""
-    from crtn.config import SyntheticConfig
-
     out = {}
     for f in fields(SyntheticConfig):
         default = getattr(SyntheticConfig(), f.name)
@@ -295,7 +294,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         name="synthetic",
         vocab=vocab,
         level="word",
-        metric="ppl",
+        metric=metric_name("word"),
         splits=splits,
         train_counts=torch.bincount(splits["train"], minlength=V),
         labels={s: torch.from_numpy(gen[s]["labels"]) for s in SPLITS},

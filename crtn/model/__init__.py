@@ -205,5 +205,5 @@ def build_model(cfg: Any, n_token: int) -> TransformerLM:
     validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
     cls = model_class(cfg.model.name)
     if cls.has_cache:
-        return cls(n_token, cfg.model, cfg.cache, cfg.query, cfg.summary)
+        return cls(n_token, cfg.model, cache=cfg.cache, query=cfg.query, summary=cfg.summary)
     return cls(n_token, cfg.model)

@@ -178,7 +178,7 @@ class AdaptiveEmbedding(nn.Module):
         div_val: int = 1,
     ) -> None:
         super().__init__()
-        cuts = _check_sizes(n_token, d_embed, d_proj, cutoffs, div_val)
+        cuts = _check_sizes(n_token, d_embed, d_proj, cutoffs=cutoffs, div_val=div_val)
         self.n_token = n_token
         self.d_embed = d_embed
         self.d_proj = d_proj
@@ -289,7 +289,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         cluster_order: str = "release",
     ) -> None:
         super().__init__()
-        cuts = _check_sizes(n_token, d_embed, d_proj, cutoffs, div_val)
+        cuts = _check_sizes(n_token, d_embed, d_proj, cutoffs=cutoffs, div_val=div_val)
         if cluster_order not in CLUSTER_ORDERS:
             raise ValueError(f"cluster_order must be one of {CLUSTER_ORDERS}, got {cluster_order!r}")
         self.n_token = n_token

@@ -139,7 +139,7 @@ class _RetrievedProduct(torch.autograd.Function):
         T, k = index.shape
         C, d = k * values.shape[1], values.shape[2]
         out = a.new_empty(T, a.shape[1], C if mode == "scores" else d)
-        for s, e, z in _retrieved_chunks(values, index, a.dtype, normalize, eps):
+        for s, e, z in _retrieved_chunks(values, index, a.dtype, normalize=normalize, eps=eps):
             torch.bmm(a[s:e], z.transpose(1, 2) if mode == "scores" else z, out=out[s:e])
         return out
 
@@ -150,7 +150,7 @@ class _RetrievedProduct(torch.autograd.Function):
         T = index.shape[0]
         C, d = index.shape[1] * values.shape[1], values.shape[2]
         out = grad.new_empty(T, grad.shape[1], d if ctx.mode == "scores" else C)
-        for s, e, z in _retrieved_chunks(values, index, grad.dtype, ctx.normalize, ctx.eps):
+        for s, e, z in _retrieved_chunks(values, index, grad.dtype, normalize=ctx.normalize, eps=ctx.eps):
             torch.bmm(grad[s:e], z if ctx.mode == "scores" else z.transpose(1, 2), out=out[s:e])
         return out, None, None, None, None, None
 
@@ -298,7 +298,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             attn_vec = attn_vec.transpose(1, 2).reshape(B, L, H * dh)
         else:
             attn_vec = self._attend_with_cache(
-                score, bd[..., :C], rw_q, rr_q, v, cache=cache, layer=layer, real_pos=real_pos
+                score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
             )
 
         attn_out = self.drop(self.o_net(attn_vec))
@@ -315,10 +315,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self,
         score: Tensor,
         bd_cache: Tensor,
-        rw_q: Tensor,
-        rr_q: Tensor,
-        v: Tensor,
         *,
+        q: tuple[Tensor, Tensor],
+        v: Tensor,
         cache: CacheContext,
         layer: int,
         real_pos: RealPositions | None,
@@ -326,9 +325,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows.
 
         score: [B, H, L, M+L] memory/segment scores; bd_cache: [B, H, L, C] position scores
-        of the retrieved rows (``pos=concat``); rw_q, rr_q: [B, L, H, d_h] q+u, q+v;
+        of the retrieved rows (``pos=concat``); q = (rw_q, rr_q): [B, L, H, d_h] q+u, q+v;
         v: [B, M+L, H, d_h]. Returns [B, L, H d_h].
         """
+        rw_q, rr_q = q
         B, L = rw_q.shape[:2]
         H, dh, d = self.n_head, self.d_head, self.d_model
         w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
@@ -340,7 +340,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
             g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
             ac_c = (
-                retrieved_product(q_model * g, values, index, "scores", normalize=True, eps=eps)
+                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
                 + (q_model @ b)[..., None]
             )
         else:
@@ -363,7 +363,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         prob_c = prob_c.reshape(B * L, H, C)
         if self.pre_lnorm:
             mix = (
-                retrieved_product(prob_c, values, index, "mix", normalize=True, eps=eps) * g
+                retrieved_product(prob_c, values, index, mode="mix", normalize=True, eps=eps) * g
                 + prob_c.sum(-1, keepdim=True) * b
             )
         else:
@@ -514,7 +514,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             n_head,
             d_model,
             d_head,
-            dropout if dropatt_out is None else dropatt_out,
+            dropout=dropout if dropatt_out is None else dropatt_out,
             dropatt=dropatt,
             pre_lnorm=pre_lnorm,
             layer_norm_eps=layer_norm_eps,

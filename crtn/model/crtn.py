@@ -86,10 +86,15 @@ class CRTN(TransformerLM):
         self.cache_cfg, self.query_cfg = cache, query
         self.n_slot, self.top_k = cache.n_slot, cache.top_k
         self.summary = make_summary(
-            summary.name, model.tgt_len, model.d_model, summary.d_key, summary.tanh, model.n_head
+            summary.name,
+            seg_len=model.tgt_len,
+            d_model=model.d_model,
+            d_key=summary.d_key,
+            tanh=summary.tanh,
+            n_head=model.n_head,
         )
         self.query = make_query(
-            query.strategy, model.tgt_len, model.d_model, self.summary.d_query, query.tanh
+            query.strategy, model.tgt_len, d_model=model.d_model, d_key=self.summary.d_query, tanh=query.tanh
         )
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
@@ -175,15 +180,26 @@ class CRTN(TransformerLM):
         mem_kv = self.memory_kv(state.mem)
         r_cur, selection = None, None
         if cache.n_valid > 0 or self.query.needs_r_prev:
-            r_cur, selection = self._retrieve(tokens, state, seg, mem_kv, update)
+            r_cur, selection = self._retrieve(tokens, state, seg=seg, mem_kv=mem_kv, update=update)
         ctx, real_pos = None, None
         if selection is not None:
             ctx = CacheContext(
-                cache.values, selection.flat_index, selection.alpha, self.cache_cfg.weighted, selection.age
+                cache.values,
+                selection.flat_index,
+                selection.alpha,
+                weighted=self.cache_cfg.weighted,
+                age=selection.age,
             )
             if self.cache_cfg.pos == "real":
-                real_pos = RealPositions(self.pos_emb, selection.age, seg, L, self.clamp_len, self.dtype)
-        hids, out = self.core(tokens, state.mem, ctx, real_pos, mem_kv=mem_kv)
+                real_pos = RealPositions(
+                    self.pos_emb,
+                    selection.age,
+                    seg_len=seg,
+                    q_len=L,
+                    clamp_len=self.clamp_len,
+                    dtype=self.dtype,
+                )
+        hids, out = self.core(tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv)
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
@@ -198,7 +214,7 @@ class CRTN(TransformerLM):
         return LMOutput(nll, out, new_state, selection)
 
     def _retrieve(
-        self, tokens: Tensor, state: CRTNState, seg: int, mem_kv: list[Tensor] | None, update: bool
+        self, tokens: Tensor, state: CRTNState, *, seg: int, mem_kv: list[Tensor] | None, update: bool
     ) -> tuple[Tensor | None, Selection | None]:
         """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection.
 
@@ -222,7 +238,7 @@ class CRTN(TransformerLM):
                 fast = qs.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
                 q = None
                 if fast is None:  # build the queries; the fast path scores keys directly
-                    q = qs(self.summary, self._query_inputs(tokens, state, seg, qmem, r_cur))
+                    q = qs(self.summary, self._query_inputs(tokens, state, seg=seg, qmem=qmem, r_cur=r_cur))
                 selection = cache.select(
                     q,
                     top_k=self.top_k,
@@ -235,7 +251,7 @@ class CRTN(TransformerLM):
         return r_cur, selection
 
     def _query_inputs(
-        self, tokens: Tensor, state: CRTNState, seg: int, qmem: Tensor | None, r_cur: Tensor | None
+        self, tokens: Tensor, state: CRTNState, *, seg: int, qmem: Tensor | None, r_cur: Tensor | None
     ) -> QueryInputs:
         """What the strategy reads; R_prev and X_{t-1} are zeros before the first segment."""
         B = tokens.shape[0]

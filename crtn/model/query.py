@@ -246,7 +246,7 @@ class Linear(QueryStrategy):
     strategy, needs_r_prev, length_bound, learned = "linear", True, True, True
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key, tanh)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
         self.seq_linear = nn.Linear(2 * seg_len, seg_len)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
@@ -275,7 +275,7 @@ class SingleLinear(QueryStrategy):
     strategy, kind, learned = "single_linear", TOKEN, True
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key, tanh)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
         self.proj = nn.Linear(d_model, d_key)
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
@@ -304,4 +304,4 @@ def make_query(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"query={strategy!r} is not one of: {', '.join(STRATEGIES)}")
-    return STRATEGIES[strategy](seg_len, d_model, d_key, tanh)
+    return STRATEGIES[strategy](seg_len, d_model, d_key=d_key, tanh=tanh)

@@ -150,7 +150,7 @@ class Linear(Summary):
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
-        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
         self.proj = nn.Linear(seg_len * d_model, d_key or d_model)
 
     @property
@@ -227,7 +227,7 @@ class WeightedSum(Summary):
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
-        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
         self.row_weight = nn.Linear(seg_len, 1, bias=False)
 
     def key(self, top: Tensor) -> Tensor:
@@ -256,7 +256,7 @@ class Conv(Summary):
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
-        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
         width = d_model // n_head
         self.conv = nn.Conv1d(
             n_head, n_head, kernel_size=width, stride=seg_len, padding=conv_padding(d_model, n_head)
@@ -298,7 +298,7 @@ class TokenMax(Summary):
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
-        super().__init__(seg_len, d_model, d_key, tanh, n_head)
+        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
         self.proj = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
     @property
@@ -344,4 +344,4 @@ def make_summary(
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
-    return SUMMARIES[name](seg_len, d_model, d_key, tanh, n_head)
+    return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)

@@ -115,7 +115,9 @@ class TransformerLM(nn.Module):
         self.init_std, self.proj_init_std = model.init_std, model.proj_init_std
 
         cutoffs = list(model.cutoffs)
-        self.word_emb = AdaptiveEmbedding(n_token, d_embed, model.d_model, cutoffs, model.div_val)
+        self.word_emb = AdaptiveEmbedding(
+            n_token, d_embed, model.d_model, cutoffs=cutoffs, div_val=model.div_val
+        )
         # dropout on the top-layer output; on the word and position embeddings (dropinp); word
         # dropout (dropemb); locked: one mask per sequence (the CRTN authors' recipe)
         self.drop = make_dropout(model.dropout, model.locked_dropout)
@@ -145,7 +147,9 @@ class TransformerLM(nn.Module):
             )
             for _ in range(model.n_layer)
         )
-        self.crit = ProjectedAdaptiveLogSoftmax(n_token, d_embed, model.d_model, cutoffs, model.div_val)
+        self.crit = ProjectedAdaptiveLogSoftmax(
+            n_token, d_embed, model.d_model, cutoffs=cutoffs, div_val=model.div_val
+        )
         tie_projs = model.tie_projs
         if tie_projs is None:
             tie_projs = [False] + [True] * len(cutoffs)
@@ -154,7 +158,13 @@ class TransformerLM(nn.Module):
         self.div_val = model.div_val
         self.reset_parameters()
         tie_adaptive_weights(
-            self.word_emb, self.crit, model.tie_weight, self.tie_projs, model.d_model, d_embed, model.div_val
+            self.word_emb,
+            self.crit,
+            tie_weight=model.tie_weight,
+            tie_projs=self.tie_projs,
+            d_model=model.d_model,
+            d_embed=d_embed,
+            div_val=model.div_val,
         )
 
     # ----------------------------------------------------------------- set-up
@@ -256,7 +266,9 @@ class TransformerLM(nn.Module):
             the top layer after the final dropout, [B, L, d].
         """
         B, L = tokens.shape
-        emb = word_dropout(self.word_emb(tokens), tokens, self.n_token, self.dropemb, self.training)
+        emb = word_dropout(
+            self.word_emb(tokens), tokens, self.n_token, p=self.dropemb, training=self.training
+        )
         M = 0 if mem is None else mem.shape[2]
         C = cache.k * cache.seg_len if cache is not None and real_pos is None else 0
         mask = self._attn_mask(L, M, tokens.device)

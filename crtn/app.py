@@ -1,0 +1,173 @@
+"""Plumbing shared by the command-line apps (``crtn-train``, ``crtn-eval``, ``crtn-generate``,
+``crtn-convert``): the device, one-line user errors, the run's ``status.json``, the check of a
+composed config against its schema, and the Hydra entry point that ties them together.
+
+    def main() -> None:
+        run_app("crtn-eval", "eval", run_eval, record_status=True)
+
+:func:`run_app` registers the schemas (:func:`crtn.config.register_configs`), runs
+``hydra.main`` with the app's primary config ``conf/<config_name>.yaml``, and calls the task
+with the composed config after :func:`check_keys`: Hydra's ``+key=value`` adds keys even to
+struct-mode nodes, so an unknown key is caught here, as a one-line error, in every group.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from crtn.config import APP_SCHEMAS, register_configs
+from crtn.errors import ConfigError, UserError
+from crtn.utils import tune_allocator
+
+#: Where every app's primary config lives (``conf/`` is installed as the package ``crtn.conf``).
+CONFIG_PATH = "pkg://crtn.conf"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
+
+    Raises:
+        UserError: CUDA asked for but not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"train.device={name!r} but CUDA is not available (use device=cpu or auto)")
+    return dev
+
+
+@contextmanager
+def report_user_errors(prog: str) -> Iterator[None]:
+    """Print a :class:`UserError` as one line ``PROG: error: MESSAGE`` and exit with status 2.
+
+    In a Hydra multirun the error is logged and re-raised instead, so that Hydra marks
+    this job failed and the sweep's other jobs still run.
+    """
+    try:
+        yield
+    except UserError as e:
+        logging.getLogger(prog).error("%s", e)
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if _in_multirun():
+            raise
+        sys.exit(2)
+
+
+def _in_multirun() -> bool:
+    try:
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # outside a Hydra app
+        return False
+
+
+def write_status(run_dir: Path, state: str, **info: Any) -> None:
+    """``status.json`` of a run: ``running`` (with pid and host), ``done``, ``failed`` (with the error)
+    or ``stopped`` (by a signal); ``crtn-report`` uses it to list jobs that did not finish."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"state": state, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **info}
+    tmp = run_dir / ".status.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, run_dir / "status.json")
+
+
+def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any) -> Any:
+    """Run ``fn(cfg)`` inside a Hydra job, recording ``status.json`` and printing user errors
+    as one line (see :func:`report_user_errors`). Used by crtn-train and crtn-eval."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    status = (lambda state, **kw: write_status(run_dir, state, **kw)) if main_rank else (lambda *a, **k: None)
+    status("running")
+    try:
+        with report_user_errors(prog):
+            try:
+                result = fn(cfg)
+            except BaseException as e:
+                if not isinstance(e, SystemExit):
+                    status("failed", error=f"{type(e).__name__}: {e}".strip().splitlines()[0])
+                raise
+    except SystemExit as e:
+        if e.code == 130:
+            status("stopped", exit_code=e.code)
+        raise
+    status("done")
+    return result
+
+
+def unknown_keys(values: dict[str, Any], schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``values`` (a plain nested dict) that the dataclass ``schema`` does not declare."""
+    hints = typing.get_type_hints(schema)
+    declared = {f.name for f in fields(schema)}
+    found = []
+    for key, value in values.items():
+        if key not in declared:
+            found.append(f"{prefix}{key}")
+            continue
+        sub = _dataclass_in(hints[key])
+        if sub is not None and isinstance(value, dict):
+            found += unknown_keys(value, sub, f"{prefix}{key}.")
+    return found
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass of a field's type (``X`` or ``X | None``), or None."""
+    for tp in (hint, *typing.get_args(hint)):
+        if isinstance(tp, type) and is_dataclass(tp):
+            return tp
+    return None
+
+
+def check_keys(cfg: Any, schema: type) -> None:
+    """Reject keys the app's schema does not have, wherever they were added (``+model.x=1``, ``+x=1``).
+
+    Raises:
+        ConfigError: ``unknown key 'model.x' (not in the schema)``.
+    """
+    found = unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema)
+    if found:
+        more = f"; also {', '.join(repr(k) for k in found[1:])}" if len(found) > 1 else ""
+        raise ConfigError(f"unknown key {found[0]!r} (not in the schema){more}")
+
+
+def run_app(prog: str, config_name: str, task: Callable[[Any], Any], record_status: bool = False) -> None:
+    """The entry point of a Hydra app: compose ``conf/<config_name>.yaml`` from the command line,
+    check it against its schema (:data:`crtn.config.APP_SCHEMAS`) and run ``task(cfg)``.
+
+    User errors print as one line ``PROG: error: ...`` (exit status 2); with ``record_status``
+    the run directory also gets ``status.json`` (:func:`run_with_status`). The Hydra job is named
+    after ``task``'s module (``train``, ``evaluate``...), as if ``task`` were the decorated function.
+    """
+    tune_allocator()
+    register_configs()
+    schema = APP_SCHEMAS[config_name]
+
+    def checked(cfg: Any) -> Any:
+        check_keys(cfg, schema)
+        return task(cfg)
+
+    @functools.wraps(task)
+    def job(cfg: Any) -> Any:
+        if record_status:
+            return run_with_status(prog, checked, cfg)
+        with report_user_errors(prog):
+            return checked(cfg)
+
+    hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")(job)()

@@ -1,0 +1,5 @@
+"""``python -m crtn.convert``: as ``crtn-convert``."""
+
+from crtn.convert import main
+
+main()

@@ -1,0 +1,63 @@
+"""``crtn-report``: tables and plots of the runs in a ``crtn-train`` / ``crtn-eval`` sweep.
+
+    crtn-report SWEEP_DIR                  # a Hydra multirun dir (or a single run dir)
+    crtn-report SWEEP_A SWEEP_B out=cmp    # several sweeps or runs in one report, written to cmp/
+    crtn-report SWEEP_DIR plots=false      # tables only
+
+Arguments are directory paths plus ``key=value`` options (read with ``OmegaConf.from_cli``):
+``out`` (where to write; default: the directory itself, or with several directories a
+report into each of them), ``plots`` (default true). A job directory is a directory holding
+``.hydra/config.yaml``, ``status.json``, ``results.json``, ``eval.json`` or ``metrics.jsonl``;
+a sweep directory is one whose sub-directories are job directories (``0/``, ``1/``, ...).
+
+Files written (each only when there is something to show):
+
+- ``report.md``: the tables below in Markdown, with the plots embedded.
+- ``report.csv``: one row per ``crtn-train`` job, sorted by job number: job, status, model,
+  data, query, summary, n_slot, top_k, tgt_len, mem_len, params, steps, ``valid_<metric>``,
+  ``test_<metric>`` (metric ``ppl`` or ``bpc``), on the synthetic corpus the test split's
+  ``test_repeat_ppl``, ``test_repeat_acc``, ``test_fresh_ppl``, ``test_fresh_acc``, then
+  ``tokens_per_s``, ``train_time_s``, ``note`` and ``overrides`` (the job's command-line
+  overrides). Numbers are copied from ``results.json`` unrounded. Jobs without
+  ``results.json`` (failed, running, stopped, unreadable) keep their row, with the status and
+  a note: the error message, or the step and time reached.
+- ``cache_extension.csv``: one row per ``crtn-eval`` job (a directory with ``eval.json``),
+  sorted by checkpoint then ``n_slot``: checkpoint, step, n_slot, top_k, tgt_len, mem_len,
+  ``range_tokens`` (mem_len + n_slot * tgt_len, the crtn dependency range) and the metric of
+  each evaluated split: the eval-time cache extension of SPEC §5.
+- ``valid_curves.png``: validation metric against training step and against elapsed
+  training time, one line per job (``metrics.jsonl``).
+- ``test_bars.png``: final test metric per training job (best checkpoint by validation).
+- ``distance_hist.png``: crtn jobs, fraction of cache selections per distance of the
+  selected segment in tokens (segments * seg_len), on the final (test) evaluation.
+- ``freq_buckets.png``: word-level jobs, test perplexity per training-frequency bucket.
+- ``recall.png``: synthetic corpus, perplexity and accuracy on repeat vs fresh tokens.
+- ``cache_extension.png``: eval sweeps, metric against eval-time ``n_slot``.
+
+Lines and bars keep one colour per job in every plot and are labelled by the job number and
+the overrides that differ between jobs. Errors: a missing directory, one without job
+directories, or a bad option raises :class:`crtn.errors.UserError` (the command prints
+``crtn-report: error: ...`` and exits with status 2). A job file that cannot be parsed does
+not stop the report: the job is listed with status ``unreadable: <file>``.
+"""
+
+from crtn.report.cli import PROG, ReportOptions, main, parse_args, write_report
+from crtn.report.jobs import Job, common_overrides, find_job_dirs, load_jobs, read_job
+from crtn.report.tables import eval_table, markdown_table, train_table, write_csv
+
+__all__ = [
+    "PROG",
+    "Job",
+    "ReportOptions",
+    "common_overrides",
+    "eval_table",
+    "find_job_dirs",
+    "load_jobs",
+    "main",
+    "markdown_table",
+    "parse_args",
+    "read_job",
+    "train_table",
+    "write_csv",
+    "write_report",
+]

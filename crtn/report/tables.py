@@ -1,0 +1,211 @@
+"""The tables of ``crtn-report``: ``report.csv`` (training jobs), ``cache_extension.csv`` (eval
+jobs) and their Markdown form."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from crtn.config import dependency_range, uses_cache
+from crtn.report.jobs import Job, duration
+
+TRAIN_HEAD = ["job", "status", "model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len"]
+TRAIN_HEAD += ["params", "steps"]
+RECALL_COLS = ["repeat_ppl", "repeat_acc", "fresh_ppl", "fresh_acc"]
+# where the copied source of repeat tokens lay (fractions, when evaluate() measured it)
+SOURCE_COLS = ["repeat_source_in_memory", "repeat_source_in_cache", "repeat_source_retrieved"]
+TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
+
+
+def train_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns and rows of ``report.csv`` (training jobs), values as in the job files."""
+    jobs = [j for j in jobs if j.kind == "train"]
+    metrics = metrics_of(jobs)
+    synthetic = any(_data_name(j) == "synthetic" for j in jobs)
+    cols = list(TRAIN_HEAD)
+    cols += [f"{s}_{m}" for m in metrics for s in ("valid", "test")]
+    if synthetic:
+        cols += [
+            f"test_{c}" for c in RECALL_COLS + _source_cols([(j.results or {}).get("test") for j in jobs])
+        ]
+    cols += ["tokens_per_s", "train_time_s", "note", "overrides"]
+    rows = []
+    for j in jobs:
+        r = j.results or {}
+        crtn = uses_cache(r.get("model") or j.cfg("model.name"))
+        row: dict[str, Any] = {"job": j.name, "status": j.status}
+        if j.results is not None:
+            for k in ("model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len"):
+                row[k] = r.get(k)
+            row["params"], row["steps"] = r.get("params"), r.get("steps")
+        else:  # from the config: what the job was asked to do
+            row.update(
+                model=j.cfg("model.name"),
+                data=j.cfg("data.name"),
+                query=j.cfg("query.strategy") if crtn else None,
+                summary=j.cfg("summary.name") if crtn else None,
+                n_slot=j.cfg("cache.n_slot") if crtn else None,
+                top_k=j.cfg("cache.top_k") if crtn else None,
+                tgt_len=j.cfg("model.tgt_len"),
+                mem_len=j.cfg("model.mem_len"),
+                params=None,
+                steps=max(
+                    (rec["step"] for rec in j.metrics if isinstance(rec.get("step"), int)), default=None
+                ),
+            )
+        for split in ("valid", "test"):
+            ev = r.get(split) if isinstance(r.get(split), dict) else {}
+            for m in metrics:
+                row[f"{split}_{m}"] = ev.get(m)
+        if synthetic:
+            test = r.get("test") if isinstance(r.get("test"), dict) else {}
+            for c in RECALL_COLS + SOURCE_COLS:
+                kind, key = c.split("_", 1)
+                row[f"test_{c}"] = (test.get(kind) or {}).get(key)
+        row["tokens_per_s"] = r.get("tokens_per_s")
+        row["train_time_s"] = r.get("train_time_s")
+        row["note"] = j.note
+        row["overrides"] = " ".join(j.overrides)
+        rows.append({c: row.get(c) for c in cols})
+    return cols, rows
+
+
+def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns and rows of ``cache_extension.csv`` (eval jobs), sorted by checkpoint then n_slot."""
+    jobs = [j for j in jobs if j.kind == "eval"]
+    metrics = metrics_of(jobs)
+    splits = [s for s in ("valid", "test") if any(isinstance((j.eval or {}).get(s), dict) for j in jobs)]
+    splits += sorted(
+        {
+            k
+            for j in jobs
+            for k, v in (j.eval or {}).items()
+            if isinstance(v, dict) and "loss" in v and k not in splits
+        }
+    )
+    synthetic = any(isinstance((j.final() or {}).get("repeat"), dict) for j in jobs)
+    cols = ["job", "status", "checkpoint", "step", "n_slot", "top_k", "tgt_len", "mem_len", "range_tokens"]
+    cols += [f"{s}_{m}" for s in splits for m in metrics]
+    if synthetic:
+        cols += ["split"] + RECALL_COLS + _source_cols([j.final() for j in jobs])
+    cols += ["tokens_per_s", "note", "overrides"]
+    rows = []
+    for j in sorted(jobs, key=eval_sort_key):
+        e = j.eval or {}
+        fin = j.final() or {}
+        row: dict[str, Any] = {"job": j.name, "status": j.status}
+        row["checkpoint"] = e.get("checkpoint", j.cfg("checkpoint"))
+        row["step"] = e.get("step")
+        for k in ("n_slot", "top_k", "tgt_len", "mem_len"):
+            row[k] = fin.get(k, j.cfg(f"eval.{k}"))
+        if all(isinstance(row[k], int) for k in ("n_slot", "tgt_len", "mem_len")):
+            row["range_tokens"] = dependency_range(row["mem_len"], row["n_slot"], row["tgt_len"])
+        for s in splits:
+            ev = e.get(s) if isinstance(e.get(s), dict) else {}
+            for m in metrics:
+                row[f"{s}_{m}"] = ev.get(m)
+        if synthetic:
+            row["split"] = j.final_split()
+            for c in RECALL_COLS + SOURCE_COLS:
+                kind, key = c.split("_", 1)
+                row[c] = (fin.get(kind) or {}).get(key)
+        row["tokens_per_s"] = fin.get("tokens_per_s")
+        row["note"] = j.note
+        row["overrides"] = " ".join(j.overrides)
+        rows.append({c: row.get(c) for c in cols})
+    return cols, rows
+
+
+def _source_cols(evals: list[Any]) -> list[str]:
+    """The SOURCE_COLS that at least one of these evaluation dicts has."""
+    reps = [e.get("repeat") for e in evals if isinstance(e, dict) and isinstance(e.get("repeat"), dict)]
+    return [c for c in SOURCE_COLS if any(c.split("_", 1)[1] in r for r in reps)]
+
+
+def eval_sort_key(j: Job) -> tuple:
+    fin = j.final() or {}
+    n = fin.get("n_slot", j.cfg("eval.n_slot"))
+    ckpt = (j.eval or {}).get("checkpoint", j.cfg("checkpoint")) or ""
+    return (str(ckpt), n is None, n if isinstance(n, int) else 0, j.order)
+
+
+def metrics_of(jobs: list[Job]) -> list[str]:
+    found = {j.metric for j in jobs}
+    return [m for m in ("ppl", "bpc") if m in found] or ["ppl"]
+
+
+def _data_name(j: Job) -> str | None:
+    return (j.results or {}).get("data") or j.cfg("data.name")
+
+
+def write_csv(path: Path, cols: list[str], rows: list[dict[str, Any]]) -> None:
+    """CSV with a header; None is an empty cell and floats are written unrounded (``repr``)."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(["" if r[c] is None else r[c] for c in cols])
+
+
+_HEADERS = {
+    "tokens_per_s": "tok/s",
+    "train_time_s": "train time",
+    "range_tokens": "range (tokens)",
+    "test_repeat_source_in_memory": "repeat src in memory",
+    "test_repeat_source_in_cache": "repeat src in cache",
+    "test_repeat_source_retrieved": "repeat src retrieved",
+    "repeat_source_in_memory": "repeat src in memory",
+    "repeat_source_in_cache": "repeat src in cache",
+    "repeat_source_retrieved": "repeat src retrieved",
+    "overrides": "overrides",
+}
+
+
+def markdown_table(cols: list[str], rows: list[dict[str, Any]], varying: dict[str, list[str]]) -> str:
+    """A Markdown table of ``rows``; columns empty in every row are left out, numbers rounded.
+
+    ``varying`` maps job name to the overrides shown (those that differ between jobs).
+    """
+    keep = [c for c in cols if c in ("job", "status") or any(r[c] not in (None, "") for r in rows)]
+    if "overrides" in cols:
+        keep = [c for c in keep if c != "overrides"] + ["overrides"]
+    head = [_HEADERS.get(c, c.replace("_", " ") if c.endswith(("_ppl", "_bpc", "_acc")) else c) for c in keep]
+    if "overrides" in keep:
+        head[-1] = "overrides (varying)"
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(_align(c) for c in keep) + "|"]
+    for r in rows:
+        cells = []
+        for c in keep:
+            v = " ".join(varying.get(r["job"], [])) if c == "overrides" else r[c]
+            cells.append(_md_escape(_fmt_cell(c, v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _align(col: str) -> str:
+    return "---" if col in TEXT_COLS else "---:"
+
+
+def _fmt_cell(col: str, v: Any) -> str:
+    if v is None or v == "":
+        return ""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if col.endswith("_acc") or "_source_" in col:
+        return f"{v:.3f}"
+    if col.endswith("_bpc"):
+        return f"{v:.4f}"
+    if col.endswith("_ppl"):
+        return f"{v:,.2f}"
+    if col == "train_time_s":
+        return duration(v)
+    if col == "tokens_per_s":
+        return f"{v:,.0f}"
+    if col in ("params", "steps", "step", "range_tokens"):
+        return f"{v:,}"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _md_escape(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,540 @@
+"""The training loop of ``crtn-train``, as a :class:`Trainer` whose methods are its parts.
+
+    trainer = Trainer(cfg, dist=dist, device=device, run_dir=run_dir)  # data, model, optimizer
+    trainer.start()                 # resume from checkpoints/last.pt, or fresh streams
+    stopped_by = trainer.fit()      # steps, logging, validation and checkpoints until done
+    trainer.save_last()
+    final = trainer.final_evaluation()   # valid and test metrics of best.pt
+
+Each step (:meth:`Trainer.train_step`) runs the batch's chunks through the model with their
+own streams' memory and cache, then clips and steps the optimizer and the schedule
+(:func:`lr_factor`). Every ``train.log_interval`` steps :meth:`Trainer.log_train` writes a
+record to ``metrics.jsonl``; every ``train.eval_interval`` steps :meth:`Trainer.validate`
+evaluates on the valid split and keeps ``best.pt``; every ``train.checkpoint_interval`` steps
+:meth:`Trainer.save_last` writes ``last.pt``. :class:`Progress` is what a checkpoint restores
+besides weights, optimizer, schedule, streams and RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from crtn.checkpoint import config_mismatch, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from crtn.config import dependency_range, metric_name, uses_cache
+from crtn.data import load_corpus
+from crtn.distributed import DistributedContext
+from crtn.errors import CheckpointError, UserError
+from crtn.evaluate import eval_lengths, evaluate, format_metrics, metric_value
+from crtn.model import build_model
+
+log = logging.getLogger("crtn.train")
+
+# config sections that must match when a run resumes from its checkpoint
+RESUME_SECTIONS = ("model", "data", "cache", "query", "summary", "optim", "seed")
+
+
+class TrainingDiverged(UserError):
+    """The training loss became NaN or infinite."""
+
+
+def lr_factor(step: int, scheduler: str, warmup: int, max_step: int, eta_ratio: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps (Transformer-XL release schedules).
+
+    Linear warm-up over ``warmup`` steps, then ``cosine`` (to ``eta_ratio`` = eta_min / lr at
+    ``max_step``), ``inv_sqrt`` (sqrt(warmup / step)) or ``constant``.
+    """
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if scheduler == "cosine":
+        span = max(1, max_step - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        return eta_ratio + (1 - eta_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if scheduler == "inv_sqrt":
+        return math.sqrt(max(warmup, 1) / max(step, 1))
+    return 1.0
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # next batch of the epoch
+    best_valid: float = math.inf  # lowest validation loss so far
+    elapsed: float = 0.0  # seconds of training (validations included) at the last update
+    tokens_seen: int = 0
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM: the loop stops at the next step boundary and checkpoints."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signal is not None:  # second signal: give up at once
+            raise KeyboardInterrupt
+        self.signal = signum
+
+
+def _catch_signals(stop: _Stop, stack: ExitStack) -> None:
+    """Route SIGINT/SIGTERM to ``stop`` until ``stack`` closes (main thread only)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old = signal.signal(sig, stop)
+        except ValueError:  # not in the main thread (some launchers)
+            return
+        stack.callback(signal.signal, sig, old)
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _truncate_jsonl(path: Path, max_step: int) -> None:
+    """Drop records after ``max_step`` (they are re-done after a resume)."""
+    if not path.exists():
+        return
+    keep = [
+        line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= max_step
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _cpu(x: Any) -> Any:
+    """Move the tensors of a (nested) state dict to the CPU, for gathering and saving."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x
+
+
+def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
+    """Load weights from a crtn checkpoint (e.g. converted Transformer-XL); new parameters stay fresh."""
+    ckpt = load_checkpoint(path)
+    vocab = ckpt.get("vocab")
+    if vocab is not None and list(vocab) != list(corpus.vocab.idx2sym):
+        raise CheckpointError(
+            f"init_from={path!r}: its vocabulary ({len(vocab)} symbols) differs from the corpus' "
+            f"({len(corpus.vocab)}); train on the corpus the weights were made for"
+        )
+    own = model.state_dict()
+    bad = [k for k, v in ckpt["model"].items() if k in own and own[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(
+            f"init_from={path!r}: tensor {bad[0]!r} has shape {tuple(ckpt['model'][bad[0]].shape)}, "
+            f"the model expects {tuple(own[bad[0]].shape)}"
+        )
+    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    if unexpected:
+        raise CheckpointError(f"init_from={path!r}: unknown tensor {unexpected[0]!r} for this model")
+    log.info("init_from %s: loaded %d tensors", path, len(ckpt["model"]))
+    if missing:
+        log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("train.tensorboard=true but tensorboard is not installed (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(run_dir / "tb"))
+
+
+class Trainer:
+    """One training run of ``crtn-train`` (rank ``dist.rank`` of a data-parallel run).
+
+    Built in the order a run needs (the RNG draws of model initialisation follow the seed):
+    the corpus and its training iterator, the model (``init_from`` weights), Adam and the
+    learning-rate schedule. Attributes of note: ``progress`` (:class:`Progress`), ``states``
+    (the memory and cache of each batch chunk's streams), ``best_metrics`` (the full validation
+    of ``best.pt`` when this process computed it), ``last``/``best`` (checkpoint paths).
+    """
+
+    def __init__(self, cfg: Any, dist: DistributedContext, device: torch.device, run_dir: Path):
+        self.cfg, self.dist, self.device, self.run_dir = cfg, dist, device, run_dir
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.last, self.best = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.config_dict = OmegaConf.to_container(cfg, resolve=True)
+        self._load_data()
+        self._build_model()
+        self.chunks = cfg.train.batch_chunk
+        self.chunk_bs = self.train_it.local_batch_size // self.chunks
+        self.progress = Progress()
+        self.states: list[Any] = []
+        self.best_metrics: dict[str, Any] | None = None
+        self.last_validated = -1
+        self.tb = None
+        self.amp = (
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if cfg.train.amp and device.type == "cuda"
+            else nullcontext()
+        )
+        self.tokens_per_step = cfg.data.batch_size * cfg.model.tgt_len
+        self.loss_sum = torch.zeros((), device=device)  # training loss since the last log record
+        self.loss_n = 0
+        self.tokens_window, self.t_window = 0, time.perf_counter()  # throughput since the last record
+        self.t_start = time.perf_counter()
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.corpus = load_corpus(cfg.data)
+        self.level = self.corpus.level
+        self.mname = metric_name(self.level)
+        self.train_it = self.corpus.iterator(
+            "train",
+            cfg.data.batch_size,
+            cfg.model.tgt_len,
+            drop_last=True,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+        self.eval_bs = cfg.eval.batch_size or cfg.data.eval_batch_size
+        eval_tgt = cfg.eval.tgt_len or cfg.model.tgt_len
+        for split in ("valid", "test"):  # fail now, not after hours of training
+            self.corpus.iterator(split, self.eval_bs, eval_tgt)
+
+    def _build_model(self) -> None:
+        cfg, o = self.cfg, self.cfg.optim
+        self.model = build_model(cfg, len(self.corpus.vocab)).to(self.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        if cfg.init_from:
+            init_from(self.model, cfg.init_from, self.corpus)
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(
+                s,
+                scheduler=o.scheduler,
+                warmup=o.warmup_step,
+                max_step=cfg.train.max_step,
+                eta_ratio=o.eta_min / o.lr,
+            ),
+        )
+        self.ddp_model = self.dist.wrap(self.model)
+
+    # ------------------------------------------------------------------ start and checkpoints
+    def start(self) -> None:
+        """Resume from ``last.pt`` (``train.resume``) or start fresh streams; log what runs."""
+        if self.cfg.train.resume and self.last.exists():
+            self._resume()
+        if self.dist.is_main:
+            _truncate_jsonl(self.metrics_path, self.step)
+        if not self.states:
+            self.states = [self.model.init_state(self.chunk_bs, self.device) for _ in range(self.chunks)]
+        self._log_setup()
+        self.tb = _tensorboard(self.run_dir) if self.cfg.train.tensorboard and self.dist.is_main else None
+
+    def _resume(self) -> None:
+        ckpt = load_checkpoint(self.last, map_location=self.device)
+        diff = config_mismatch(ckpt["config"], self.config_dict, RESUME_SECTIONS)
+        if diff:
+            raise CheckpointError(
+                f"cannot resume from {str(self.last)!r}: the config changed ({diff}); "
+                "use a new run directory or the saved config"
+            )
+        n_states = len(ckpt.get("states") or [])
+        if (
+            "optimizer" not in ckpt
+            or n_states != self.dist.world_size
+            or len(ckpt["states"][0]) != self.chunks
+        ):
+            raise CheckpointError(
+                f"cannot resume from {str(self.last)!r}: it was written by {n_states} process(es) with "
+                f"another train.batch_chunk, or is not a training checkpoint; resume with the same setup"
+            )
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.progress = Progress(
+            step=ckpt["step"],
+            epoch=ckpt["epoch"],
+            batch_index=ckpt["batch_index"],
+            best_valid=ckpt["best_valid"],
+            elapsed=ckpt["elapsed"],
+            tokens_seen=ckpt["tokens_seen"],
+        )
+        self.states = [
+            self.model.load_state(sd, self.chunk_bs, self.device) for sd in ckpt["states"][self.dist.rank]
+        ]
+        set_rng_state(ckpt["rng"])
+        log.info("resumed from %s at step %d (epoch %d)", self.last, self.step, self.progress.epoch)
+
+    def _log_setup(self) -> None:
+        cfg = self.cfg
+        log.info(
+            "model=%s params=%s data=%s (%s tokens train, vocab %d) device=%s world=%d",
+            cfg.model.name,
+            f"{self.n_params:,}",
+            cfg.data.name,
+            f"{self.corpus.splits['train'].numel():,}",
+            len(self.corpus.vocab),
+            self.device,
+            self.dist.world_size,
+        )
+        if uses_cache(cfg.model):
+            log.info(
+                "crtn: query=%s summary=%s n_slot=%d top_k=%d (range m+N*L = %d tokens)",
+                cfg.query.strategy,
+                cfg.summary.name,
+                cfg.cache.n_slot,
+                cfg.cache.top_k,
+                dependency_range(cfg.model.mem_len, cfg.cache.n_slot, cfg.model.tgt_len),
+            )
+
+    def checkpoint(self, with_states: bool = True) -> dict[str, Any]:
+        """The checkpoint payload; ``with_states`` gathers every rank's streams (a collective)."""
+        all_states = None
+        if with_states:
+            all_states = self.dist.gather([_cpu(st.state_dict()) for st in self.states])
+        p = self.progress
+        return {
+            "config": self.config_dict,
+            "vocab": self.corpus.vocab.idx2sym,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": p.step,
+            "epoch": p.epoch,
+            "batch_index": p.batch_index,
+            "states": all_states,
+            "rng": rng_state(),
+            "best_valid": p.best_valid,
+            "elapsed": p.elapsed,
+            "tokens_seen": p.tokens_seen,
+            "n_params": self.n_params,
+        }
+
+    def save_last(self) -> None:
+        """Write ``last.pt`` (rank 0; every rank takes part in gathering the streams) after checking
+        that the loss since the last record is finite."""
+        self._check_finite()
+        self.progress.elapsed = time.perf_counter() - self.t_start
+        payload = self.checkpoint()
+        if self.dist.is_main:
+            save_checkpoint(self.last, payload)
+
+    def _check_finite(self) -> None:
+        if self.loss_n and not torch.isfinite(self.loss_sum).item():
+            raise TrainingDiverged(
+                f"training loss became non-finite by step {self.step}; stopping without saving. The last "
+                f"good checkpoint is {str(self.last)!r}"
+                + ("" if self.last.exists() else " (none was written yet)")
+            )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> str | None:
+        """Train until ``train.max_step``, ``train.max_time`` or a signal; returns what stopped the
+        loop early (None: it reached ``train.max_step``)."""
+        cfg, stop = self.cfg, _Stop()
+        ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
+        self.t_start = time.perf_counter() - self.progress.elapsed
+        self.tokens_window, self.t_window = 0, time.perf_counter()
+        show = cfg.train.progress and self.dist.is_main
+        self.model.train()
+        batches = self.train_it.iterate(self.progress.batch_index)
+        with ExitStack() as stack:
+            _catch_signals(stop, stack)
+            if show:
+                stack.enter_context(logging_redirect_tqdm())
+            bar = stack.enter_context(
+                tqdm(
+                    total=cfg.train.max_step,
+                    initial=self.step,
+                    desc="train",
+                    dynamic_ncols=True,
+                    disable=not show,
+                    mininterval=1.0,
+                )
+            )
+            while self.step < cfg.train.max_step:
+                stopped_by = self._stop_reason(stop)
+                if stopped_by:
+                    return stopped_by
+                batch = next(batches, None)
+                if batch is None:  # end of an epoch: streams start again with empty memory
+                    batches = self._next_epoch()
+                    continue
+                self.train_step(batch)
+                bar.update(1)
+                self._after_step(bar, ckpt_interval)
+        return None
+
+    def _stop_reason(self, stop: _Stop) -> str | None:
+        """Why the loop stops before this step, decided by all ranks together; None: go on."""
+        max_time = self.cfg.train.max_time
+        out_of_time = max_time is not None and time.perf_counter() - self.t_start >= max_time
+        if not self.dist.any(stop.signal is not None or out_of_time):  # every rank stops at the same step
+            return None
+        if stop.signal is not None:
+            return f"signal {signal.Signals(stop.signal).name}"
+        return "a signal on another rank" if not out_of_time else f"train.max_time={max_time}s"
+
+    def _next_epoch(self):
+        p = self.progress
+        p.epoch, p.batch_index = p.epoch + 1, 0
+        self.states = [self.model.init_state(self.chunk_bs, self.device) for _ in range(self.chunks)]
+        return self.train_it.iterate(0)
+
+    def _after_step(self, bar: Any, ckpt_interval: int) -> None:
+        """Log, validate and checkpoint when the step calls for it."""
+        step, t = self.step, self.cfg.train
+        if step % t.log_interval == 0 or step == t.max_step:
+            self.log_train(bar)
+        if step % t.eval_interval == 0 and step < t.max_step and self.dist.is_main:
+            self.validate()
+            self.tokens_window, self.t_window = 0, time.perf_counter()
+        if step % ckpt_interval == 0:
+            self.save_last()
+
+    def train_step(self, batch: Any) -> None:
+        """One optimizer step on ``batch``, chunk by chunk (gradient accumulation)."""
+        p, chunks, bs = self.progress, self.chunks, self.chunk_bs
+        p.batch_index = batch.index + 1
+        x = batch.input.to(self.device, non_blocking=True)
+        y = batch.target.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        for c in range(chunks):
+            rows = slice(c * bs, (c + 1) * bs)
+            with self.dist.no_sync(self.ddp_model, last=c == chunks - 1), self.amp:
+                out = self.ddp_model(x[rows], y[rows], self.states[c])
+                loss = out.nll.float().mean() / chunks
+            loss.backward()
+            self.states[c] = out.state
+            self.loss_sum += loss.detach()
+        self.loss_n += 1
+        if self.cfg.optim.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        p.step += 1
+        p.tokens_seen += self.tokens_per_step
+        self.tokens_window += self.tokens_per_step
+
+    def log_train(self, bar: Any) -> None:
+        """Record the mean training loss since the last record (all ranks), throughput and lr.
+
+        Raises:
+            TrainingDiverged: the loss is not finite.
+        """
+        p, mname = self.progress, self.mname
+        train_loss = self.dist.mean(self.loss_sum).item() / self.loss_n
+        if not math.isfinite(train_loss):
+            raise TrainingDiverged(
+                f"training loss became {train_loss} by step {p.step}; stopping. The last good "
+                f"checkpoint is {str(self.last)!r}"
+                + ("" if self.last.exists() else " (none was written yet)")
+            )
+        now = time.perf_counter()
+        tok_s = self.tokens_window / (now - self.t_window)
+        p.elapsed = now - self.t_start
+        rec = {
+            "step": p.step,
+            "epoch": p.epoch,
+            "lr": self.scheduler.get_last_lr()[0],
+            "train_loss": train_loss,
+            f"train_{mname}": metric_value(train_loss, self.level),
+            "tokens_per_s": tok_s,
+            "elapsed": p.elapsed,
+        }
+        if self.dist.is_main:
+            _append_jsonl(self.metrics_path, rec)
+            if self.tb:
+                self.tb.add_scalar("train/loss", train_loss, p.step)
+                self.tb.add_scalar("train/tokens_per_s", tok_s, p.step)
+        bar.set_postfix_str(f"loss {train_loss:.3f} {mname} {rec[f'train_{mname}']:.3f} tok/s {tok_s:,.0f}")
+        log.info(
+            "step %d | epoch %d | lr %.3g | loss %.4f | %s %.3f | %.0f tok/s | %.0fs",
+            p.step,
+            p.epoch,
+            rec["lr"],
+            train_loss,
+            mname,
+            rec[f"train_{mname}"],
+            tok_s,
+            p.elapsed,
+        )
+        self.loss_sum.zero_()
+        self.loss_n = 0
+        self.tokens_window, self.t_window = 0, time.perf_counter()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, split: str, max_step: int | None) -> dict[str, Any]:
+        """Metrics of the current weights on ``split`` (eval-time lengths of ``cfg.eval``)."""
+        with eval_lengths(self.model, self.cfg.eval):
+            m = evaluate(
+                self.model,
+                self.corpus,
+                split,
+                batch_size=self.eval_bs,
+                device=self.device,
+                max_step=max_step,
+                progress=False,
+            )
+        self.model.train()
+        return m
+
+    def validate(self) -> None:
+        """Evaluate on valid, record it, and save ``best.pt`` when it improves (rank 0)."""
+        p, mname = self.progress, self.mname
+        t_eval = time.perf_counter()
+        m = self.evaluate("valid", self.cfg.train.eval_max_step)
+        p.elapsed = time.perf_counter() - self.t_start
+        rec = {"step": p.step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": p.elapsed}
+        for k in ("repeat", "fresh"):
+            if k in m and "acc" in m[k]:
+                rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
+        log.info("eval at step %d: %s (%.1fs)", p.step, format_metrics(m), time.perf_counter() - t_eval)
+        _append_jsonl(self.metrics_path, rec)
+        if self.tb:
+            self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
+        if m["loss"] < p.best_valid:
+            p.best_valid = m["loss"]
+            save_checkpoint(self.best, self.checkpoint(with_states=False))
+            self.best_metrics = m if self.cfg.train.eval_max_step is None else None
+        self.last_validated = p.step
+
+    def final_evaluation(self) -> dict[str, dict[str, Any]]:
+        """Valid and test metrics of the best weights by validation loss (rank 0), as in the
+        Transformer-XL release; the final weights compete for ``best.pt`` first."""
+        if self.last_validated != self.step and self.step > 0:
+            self.validate()
+        if self.best.exists():
+            self.model.load_state_dict(load_checkpoint(self.best, map_location=self.device)["model"])
+        final = {}
+        for split in ("valid", "test"):
+            # best.pt's full validation from this process is exact (same weights, fresh memory)
+            if split == "valid" and self.best_metrics is not None:
+                final[split] = self.best_metrics
+            else:
+                final[split] = self.evaluate(split, None)
+            log.info("final %s", format_metrics(final[split]))
+        return final
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()

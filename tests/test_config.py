@@ -1,0 +1,116 @@
+"""One source of defaults: the schema (crtn/config.py) is what the command line composes, and the
+tests', the benchmark's and the config groups' options build on it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from crtn.bench import Sizes, model_cfg, size_overrides
+from crtn.config import (
+    APP_SCHEMAS,
+    STRATEGIES,
+    TrainAppConfig,
+    default_summary,
+    register_configs,
+    train_config,
+    valid_pairs,
+    valid_summaries,
+)
+from crtn.data import load_corpus
+from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
+
+PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
+
+
+def composed(config_name: str, overrides: list[str] | None = None):
+    """The config an app composes from ``conf/`` (as on its command line), without the hydra node."""
+    register_configs()
+    with initialize_config_module(config_module="crtn.conf", version_base="1.3"):
+        return compose(config_name, overrides=overrides or [])
+
+
+def flat(cfg) -> dict[str, object]:
+    """Dotted key -> value of a config (interpolations unresolved)."""
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
+@pytest.mark.parametrize("app", sorted(APP_SCHEMAS))
+def test_command_line_config_is_the_schema(app):
+    cli = composed(app)
+    assert "hydra" not in cli
+    assert OmegaConf.to_container(cli) == OmegaConf.to_container(OmegaConf.structured(APP_SCHEMAS[app]))
+
+
+def test_train_defaults_resolve_like_the_command_line():
+    cli, schema = composed("train"), train_config()
+    assert schema == OmegaConf.structured(TrainAppConfig)
+    assert OmegaConf.to_container(cli, resolve=True) == OmegaConf.to_container(schema, resolve=True)
+    assert schema.model.mem_len == schema.model.tgt_len == 32  # mem_len follows tgt_len
+    assert train_config({"model.tgt_len": 5}).model.mem_len == 5
+
+
+def test_tests_and_benchmark_build_on_the_schema():
+    """Both start from train_config(): they differ from the schema only in the keys they set."""
+    schema = flat(train_config())
+
+    def changed(cfg) -> set[str]:
+        values = flat(cfg)
+        assert set(values) == set(schema)  # nothing added or lost
+        return {k for k, v in values.items() if v != schema[k]}
+
+    assert changed(tiny_cfg()) <= set(TINY) | set(TEST_DEFAULTS)
+    sizes = Sizes()
+    given = {**size_overrides(sizes, "crtn", 64), "query.strategy": "last_l"}
+    assert changed(model_cfg(sizes, "crtn", 64, **{"query.strategy": "last_l"})) <= set(given)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_query_option_selects_its_default_summary(strategy):
+    cfg = composed("train", [f"query={strategy}"])
+    assert cfg.query.strategy == strategy
+    assert cfg.summary.name == default_summary(strategy)
+    assert default_summary(strategy) in valid_summaries(strategy)
+    assert cfg.summary == composed("train", [f"summary={cfg.summary.name}"]).summary
+
+
+def test_token_defaults_to_token_max():
+    assert default_summary("token") == train_config().summary.name == "token_max"
+
+
+def test_pair_files_are_exactly_the_valid_pairs():
+    files = {p.stem for p in PAIR_DIR.glob("*.yaml")}
+    assert files == {f"{q}-{s}" for q, s in valid_pairs()}
+
+
+@pytest.mark.parametrize("strategy,summary", valid_pairs(), ids=[f"{q}-{s}" for q, s in valid_pairs()])
+def test_each_pair_file_selects_its_pair(strategy, summary):
+    text = (PAIR_DIR / f"{strategy}-{summary}.yaml").read_text()
+    defaults = OmegaConf.create(text).defaults
+    assert [OmegaConf.to_container(d) for d in defaults] == [
+        {"override /query": strategy},
+        {"override /summary": summary},
+    ]
+    cfg = composed("train", [f"+pair={strategy}-{summary}"])
+    assert (cfg.query.strategy, cfg.summary.name) == (strategy, summary)
+
+
+def test_default_corpus_loads_fast():
+    t0 = time.perf_counter()
+    c = load_corpus(train_config().data)
+    assert time.perf_counter() - t0 < 10.0
+    assert c.name == "synthetic" and len(c.splits["train"]) == 2_000_000 and len(c.vocab) == 512
