@@ -92,7 +92,11 @@ class CacheConfig:
     hnsw_m: int = 32
     hnsw_ef_search: int = 128
     hnsw_ef_construction: int = 64
-    renew: str = "fifo"  # fifo | least_used
+    renew: str = "fifo"  # fifo | least_used | discard_worst
+    layers: int | None = None  # retrieval in the top `layers` layers only; None: all (the paper)
+    key_layer: int | None = (
+        None  # hidden layer of keys and queries (0 emb .. n top); None: top, or below `layers`
+    )
     dtype: str | None = None  # storage of cached values: None (the model's) | float32 | float16 | bfloat16
 
 

@@ -91,6 +91,7 @@ def naive_segment(
     weighted: bool = True,
     hide_mem: int = 0,
     same_length: bool = False,
+    retrieve_from: int = 0,
 ) -> list[Tensor]:
     """Forward one segment of ONE stream, token by token.
 
@@ -103,6 +104,7 @@ def naive_segment(
         hide_mem: the first ``hide_mem`` memory rows are invisible (fixed_length_2).
         same_length: Transformer-XL's ``same_length``: when M + L > mem_len every token
             sees only the positions at distance < mem_len.
+        retrieve_from: layers below this one (0-based) ignore ``retrieved`` (``cache.layers``).
 
     Returns:
         n+1 tensors [L, d]: the states at layers 0..n.
@@ -118,7 +120,7 @@ def naive_segment(
         out = []
         for j in range(L):
             rows, scale, dist = [], [], []
-            segs = [] if retrieved is None else retrieved[j]
+            segs = [] if retrieved is None or layer_i < retrieve_from else retrieved[j]
             n_ret = sum(s.states.shape[1] for s in segs)
             c = 0
             for seg in segs:
@@ -220,9 +222,8 @@ def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
     """<q, k> / sqrt(d_key); token_max: max over the key's rows (after the learned map P of
     queries and rows when it has one)."""
     if summary.name == "token_max":
-        if summary.proj is not None:
-            P = summary.proj.weight  # [d_key, d]
-            q, key = P @ q, key @ P.T
+        if summary.proj_q is not None:
+            q, key = summary.proj_q.weight @ q, key @ summary.proj_k.weight.T  # [d_key, d] maps
         return (key @ q).max() / math.sqrt(q.shape[0])
     return (q @ key) / math.sqrt(q.shape[0])
 
@@ -290,7 +291,22 @@ class NaiveCRTN:
 
     def _pass(self, tokens, mem, t0, retrieved=None, hide_mem=0):
         c = self.m.cache_cfg
-        return naive_segment(self.m, tokens, mem, t0, retrieved, c.pos, c.weighted, hide_mem)
+        return naive_segment(
+            self.m, tokens, mem, t0, retrieved, c.pos, c.weighted, hide_mem, retrieve_from=self.first
+        )
+
+    @property
+    def first(self) -> int:
+        """The first layer (0-based) that reads retrieved segments: 0, or n - cache.layers."""
+        c = self.m.cache_cfg
+        return 0 if c.layers is None else self.m.n_layer - c.layers
+
+    @property
+    def key_layer(self) -> int:
+        """The hidden layer of keys and queries: cache.key_layer, else the top (or the input of
+        the first retrieving layer with cache.layers)."""
+        c = self.m.cache_cfg
+        return c.key_layer if c.key_layer is not None else (self.first or self.m.n_layer)
 
     def _queries(self, tokens, r_cur, qmem, t0) -> list[Tensor]:
         """q_j for every token (SPEC §3 table; single_linear and query.tanh from the authors' code).
@@ -335,12 +351,12 @@ class NaiveCRTN:
             elif strategy == "fixed_length_1":
                 prev = st.prev_tokens if st.prev_tokens is not None else torch.zeros(L, dtype=tokens.dtype)
                 raw = torch.cat([prev, tokens])[j + 1 : j + 1 + L]
-                top = naive_segment(m, raw, None, 0)[-1]
+                top = naive_segment(m, raw, None, 0)[self.key_layer]
                 wins.append(top.detach() if detach else top)
                 rows.append(L - 1)
             elif strategy == "fixed_length_2":
                 prev_states = [x[-L:] for x in qmem]  # stored states of X_{t-1}
-                t_j = naive_segment(m, tokens[: j + 1], prev_states, t0, hide_mem=j + 1)[-1]
+                t_j = naive_segment(m, tokens[: j + 1], prev_states, t0, hide_mem=j + 1)[self.key_layer]
                 t_j = t_j.detach() if detach else t_j
                 wins.append(torch.cat([r_prev[j + 1 :], t_j], 0))
                 rows.append(L - 1)
@@ -360,7 +376,10 @@ class NaiveCRTN:
             qmem = [newest.states[i] for i in range(n + 1)]
         else:
             qmem = None
-        r_cur = self._pass(tokens, qmem, t0)[-1]
+        if self.first == 0:  # a query pass over X_t without cache
+            r_cur = self._pass(tokens, qmem, t0)[self.key_layer]
+        else:  # cache.layers: the main pass's own states below the first retrieving layer
+            r_cur = self._pass(tokens, st.mem, t0)[self.first]
         selected: list[list[tuple[int, float]]] = [[] for _ in range(L)]
         retrieved = None
         if st.slots and m.top_k > 0:
@@ -387,7 +406,7 @@ class NaiveCRTN:
         over = M + L - m.mem_len
         if over > 0 and m.n_slot > 0:
             states = torch.stack([x[:over] for x in cat])
-            key = naive_key(m.summary, states[-1]).detach()
+            key = naive_key(m.summary, states[self.key_layer]).detach()
             if len(st.slots) == m.n_slot:
                 st.slots.pop(naive_evict(st.slots, c.renew))
             st.slots.append(Slot(states.detach(), key, t0 - M))

@@ -122,6 +122,13 @@ NEW_OPTIONS = {
     "linear_query_tanh": {"query.strategy": "linear", "summary.name": "mean", "query.tanh": True},
     "token_max_plain": {"summary.name": "token_max"},
     "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
+    "key_layer_1": {"cache.key_layer": 1, "summary.name": "token_max", "summary.d_key": 6},
+    "key_layer_0_window": {"cache.key_layer": 0, "query.strategy": "middle_l", "summary.name": "mean"},
+    "layers_1": {"cache.layers": 1},
+    "layers_1_token_max_real": {"cache.layers": 1, "summary.name": "token_max", "cache.pos": "real"},
+    "layers_1_fixed_length_2": {"cache.layers": 1, "query.strategy": "fixed_length_2", "summary.name": "max"},
+    "layers_1_linear_summary": {"cache.layers": 1, "query.strategy": "last_l", "summary.name": "linear"},
+    "layers_1_detach": {"cache.layers": 1, "query.detach": True, "query.strategy": "single_linear"},
     "detach_token": {"query.detach": True},
     "detach_linear": {"query.strategy": "linear", "summary.name": "linear", "query.detach": True},
     "detach_fixed_length_1": {

@@ -160,6 +160,27 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
         )
     if summary.name == "conv":
         _validate_conv(model)
+    _validate_layers(model, cache)
+
+
+def _validate_layers(model: Any, cache: Any) -> None:
+    n = model.n_layer
+    if cache.layers is not None:
+        if not 1 <= cache.layers <= n:
+            raise ConfigError(f"cache.layers={cache.layers} must be in 1..model.n_layer={n} (null: all)")
+        if cache.layers < n and model.mem_len < model.tgt_len:
+            raise ConfigError(
+                f"cache.layers={cache.layers} needs model.mem_len >= model.tgt_len (the shared lower "
+                f"layers' memory); got mem_len={model.mem_len}"
+            )
+        below = n - cache.layers
+        if cache.layers < n and cache.key_layer not in (None, below):
+            raise ConfigError(
+                f"cache.key_layer={cache.key_layer}: with cache.layers={cache.layers} keys and queries come "
+                f"from layer {below}, the input of the first retrieving layer (leave key_layer null)"
+            )
+    if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
+        raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
 
 
 def _validate_conv(model: Any) -> None:

@@ -95,6 +95,8 @@ class CacheContext:
         weighted: whether alpha scales the values (``cache.weighted``).
         age: [B, L, k] distance in tokens from the current segment's first token to the
             first token of each retrieved segment (for ``cache.pos=real``), else None.
+        first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
+            stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
     """
 
     values: Tensor
@@ -102,6 +104,7 @@ class CacheContext:
     alpha: Tensor
     weighted: bool
     age: Tensor | None = None
+    first_layer: int = 0
 
     @property
     def k(self) -> int:
@@ -332,7 +335,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         B, L = rw_q.shape[:2]
         H, dh, d = self.n_head, self.d_head, self.d_model
         w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
-        values = cache.values[layer]  # [B*N, Ls, d]
+        values = cache.values[layer - cache.first_layer]  # [B*N, Ls, d]
         index = cache.index.reshape(B * L, cache.k)
         C = cache.k * cache.seg_len
         # content term (q_j + u).W_{k,E} z: fold the query into model space once per token

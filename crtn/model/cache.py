@@ -89,6 +89,7 @@ class SegmentCache:
         n_slot: N, slots per row.
         batch_size: B.
         summary: the model's summary: how keys are made, stored and scored.
+        key_layer: the stored layer whose states keys are views of (-1: the last, the top).
         renew: ``fifo`` (drop the oldest slot), ``least_used`` (drop the slot selected
             least often since it entered) or ``discard_worst`` (drop the slot with the
             lowest selected / scored ratio); ties go to the oldest.
@@ -104,6 +105,7 @@ class SegmentCache:
         n_slot: int,
         batch_size: int,
         summary: Summary,
+        key_layer: int = -1,
         renew: str = "fifo",
         dtype: str | torch.dtype | None = None,
         backend: str = "torch",
@@ -113,6 +115,7 @@ class SegmentCache:
             raise ValueError(f"cache.n_slot={n_slot} must be > 0 to build a cache")
         self.n_slot, self.batch_size, self.renew = n_slot, batch_size, renew
         self.summary = summary
+        self.key_layer = key_layer
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
         self.backend, self.faiss_opts = backend, dict(faiss_opts or {})
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
@@ -146,7 +149,7 @@ class SegmentCache:
         assert self.values is not None
         nv = self.n_valid
         if self.summary.key_is_view:
-            return self.summary.key(self.layer_values(self.values.shape[0] - 1)[:, :nv])
+            return self.summary.key(self.layer_values(self.key_layer % self.values.shape[0])[:, :nv])
         assert self.keys is not None
         return self.keys[:, :nv]
 

@@ -85,6 +85,13 @@ class CRTN(TransformerLM):
         super().__init__(n_token, model)
         self.cache_cfg, self.query_cfg = cache, query
         self.n_slot, self.top_k = cache.n_slot, cache.top_k
+        # retrieval in the upper cache.layers layers only (None: all, the paper's model): the
+        # layers below run once, shared by the query and the main pass (issue 15)
+        self.retrieve_from = 0 if cache.layers is None else model.n_layer - cache.layers
+        # the hidden layer (0: embeddings .. n: top) whose states make keys and queries
+        self.key_layer = (
+            cache.key_layer if cache.key_layer is not None else (self.retrieve_from or model.n_layer)
+        )
         self.summary = make_summary(
             summary.name,
             seg_len=model.tgt_len,
@@ -138,6 +145,7 @@ class CRTN(TransformerLM):
                 self.n_slot,
                 batch_size,
                 self.summary,
+                key_layer=self.key_layer - self.retrieve_from,
                 renew=c.renew,
                 dtype=c.dtype,
                 backend=c.backend,
@@ -178,9 +186,20 @@ class CRTN(TransformerLM):
         cache.commit()
         seg = cache.seg_len if cache.values is not None else self.tgt_len
         mem_kv = self.memory_kv(state.mem)
+        r = self.retrieve_from
+        lower = None
+        if r > 0:  # the layers below the first retrieving one: shared by query and main pass
+            lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r))[0]
         r_cur, selection = None, None
         if cache.n_valid > 0 or self.query.needs_r_prev:
-            r_cur, selection = self._retrieve(tokens, state, seg=seg, mem_kv=mem_kv, update=update)
+            r_cur, selection = self._retrieve(
+                tokens,
+                state,
+                seg=seg,
+                mem_kv=mem_kv,
+                update=update,
+                shared=None if lower is None else lower[-1],
+            )
         ctx, real_pos = None, None
         if selection is not None:
             ctx = CacheContext(
@@ -189,6 +208,7 @@ class CRTN(TransformerLM):
                 selection.alpha,
                 weighted=self.cache_cfg.weighted,
                 age=selection.age,
+                first_layer=r,
             )
             if self.cache_cfg.pos == "real":
                 real_pos = RealPositions(
@@ -199,7 +219,19 @@ class CRTN(TransformerLM):
                     clamp_len=self.clamp_len,
                     dtype=self.dtype,
                 )
-        hids, out = self.core(tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv)
+        if lower is None:
+            hids, out = self.core(tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv)
+        else:
+            upper, out = self.core(
+                tokens,
+                state.mem,
+                cache=ctx,
+                real_pos=real_pos,
+                mem_kv=mem_kv,
+                layers=(r, self.n_layer),
+                h=lower[-1],
+            )
+            hids = lower + upper[1:]
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
@@ -214,14 +246,23 @@ class CRTN(TransformerLM):
         return LMOutput(nll, out, new_state, selection)
 
     def _retrieve(
-        self, tokens: Tensor, state: CRTNState, *, seg: int, mem_kv: list[Tensor] | None, update: bool
+        self,
+        tokens: Tensor,
+        state: CRTNState,
+        *,
+        seg: int,
+        mem_kv: list[Tensor] | None,
+        update: bool,
+        shared: Tensor | None = None,
     ) -> tuple[Tensor | None, Selection | None]:
         """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection.
 
-        Gradients reach the query only through alpha (keys are gradient-stopped), so
-        nothing here needs them unless the values are alpha-weighted. ``query.detach``
-        stops them at R_cur: the query pass gets none, the query's own weights
-        (``summary.proj``, ``query.seq_linear``, ``query.proj``) still train.
+        R_cur is layer ``key_layer`` of a query pass over X_t (the top layer by default);
+        with ``cache.layers`` it is ``shared``, the main pass's own input to the first
+        retrieving layer. Gradients reach the query only through alpha (keys are
+        gradient-stopped), so nothing here needs them unless the values are alpha-weighted.
+        ``query.detach`` stops them at R_cur: the query pass gets none, the query's own
+        weights (``summary.proj*``, ``query.seq_linear``, ``query.proj``) still train.
         """
         cache = state.cache
         assert cache is not None
@@ -230,10 +271,12 @@ class CRTN(TransformerLM):
         r_cur, selection = None, None
         with torch.set_grad_enabled(grad):
             qmem = self._query_memory(state, seg)
+            if shared is not None:
+                r_cur = shared.detach() if self.query_cfg.detach else shared
             with torch.set_grad_enabled(grad and not self.query_cfg.detach):
-                if qs.needs_query_pass:
-                    shared = mem_kv if qmem is state.mem else None
-                    r_cur = self.core(tokens, qmem, mem_kv=shared)[0][-1]  # R_cur, [B, L, d]
+                if qs.needs_query_pass and shared is None:
+                    kv = mem_kv if qmem is state.mem else None
+                    r_cur = self._core_top(tokens, qmem, None, mem_kv=kv)  # R_cur, [B, L, d]
             if nv > 0:
                 fast = qs.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
                 q = None
@@ -278,11 +321,13 @@ class CRTN(TransformerLM):
         cat, new_mem = self._append(state.mem, hids)
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
-            slot_states = cat[:, :, :over]
+            r = self.retrieve_from
+            # every layer's states (paper); with cache.layers only those the retrieving layers read
+            slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
             key = None
             if not self.summary.key_is_view:
                 with torch.no_grad():
-                    key = self.summary.key(slot_states[-1])
+                    key = self.summary.key(cat[self.key_layer, :, :over])
             cache.insert(slot_states, key, state.pos - (cat.shape[2] - L))
         return new_mem
 
@@ -296,9 +341,16 @@ class CRTN(TransformerLM):
             return newest if mem is None or mem.shape[2] == 0 else torch.cat([newest, mem], 2)
         return mem
 
-    def _core_top(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
-        """Top layer of a query pass (the ``fixed_length`` strategies' own passes)."""
-        return self.core(tokens, mem, extra_mask=extra_mask)[0][-1]
+    def _core_top(
+        self,
+        tokens: Tensor,
+        mem: Tensor | None,
+        extra_mask: Tensor | None,
+        mem_kv: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Layer ``key_layer`` (the top by default) of a query pass without cache: R_cur, and the
+        ``fixed_length`` strategies' own passes. Layers above it are not run."""
+        return self.core(tokens, mem, extra_mask=extra_mask, mem_kv=mem_kv, layers=(0, self.key_layer))[0][-1]
 
     @torch.no_grad()
     def _core_top_detached(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:

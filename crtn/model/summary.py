@@ -287,10 +287,12 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
 class TokenMax(Summary):
     """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d_key).
 
-    With ``d_key`` set, queries and rows are first mapped by one learned linear map P
-    (d -> d_key, no bias): score = max_r <P q, P row_r> / sqrt(d_key). Rows are views of
-    the cached states, so P is applied when scoring and trains through both sides (a
-    learned retrieval space; issue 11). Without ``d_key`` the score is the plain dot product.
+    With ``d_key`` set, queries and rows are first mapped by learned linear maps (d -> d_key,
+    no bias), one for queries and one for rows: score = max_r <P_q q, P_k row_r> / sqrt(d_key).
+    Two maps let a query match rows by other features than its own (e.g. a row's record of
+    the tokens before it). Rows are views of the cached states, so P_k is applied when
+    scoring and trains like P_q (a learned retrieval space; issue 11). Without ``d_key`` the
+    score is the plain dot product.
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
@@ -299,11 +301,12 @@ class TokenMax(Summary):
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        self.proj = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
+        self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
+        self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
     @property
     def d_key(self) -> int:
-        return self.d_model if self.proj is None else self.proj.out_features
+        return self.d_model if self.proj_q is None else self.proj_q.out_features
 
     @property
     def d_query(self) -> int:
@@ -312,19 +315,20 @@ class TokenMax(Summary):
     def key(self, top: Tensor) -> Tensor:
         return top
 
-    def _map(self, x: Tensor) -> Tensor:
-        return x if self.proj is None else self.proj(x)
+    def _map(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        keys = keys.to(query.dtype)
+        if self.proj_q is None:
+            return query, keys
+        return self.proj_q(query), self.proj_k(keys)
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        keys = self._map(keys.to(query.dtype))
-        query = self._map(query)
+        query, keys = self._map(query, keys)
         B, N, Ls, d = keys.shape
         rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
         return rows.view(B, -1, N, Ls).amax(-1) * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
-        keys = self._map(keys.to(query.dtype))
-        query = self._map(query)
+        query, keys = self._map(query, keys)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
 
 

@@ -248,6 +248,8 @@ class TransformerLM(nn.Module):
         real_pos: RealPositions | None = None,
         extra_mask: Tensor | None = None,
         mem_kv: list[Tensor] | None = None,
+        layers: tuple[int, int] | None = None,
+        h: Tensor | None = None,
     ) -> tuple[list[Tensor], Tensor]:
         """Run the layers over one segment.
 
@@ -260,41 +262,36 @@ class TransformerLM(nn.Module):
                 every query of that sequence (``fixed_length_2``).
             mem_kv: per layer, the keys and values of ``mem`` (:meth:`memory_kv`), shared by
                 passes over the same memory.
+            layers: (start, end): run only layers start..end-1 (0-based), default all;
+                ``h`` [B, L, d] is then the input of layer ``start`` (the embedding is not
+                recomputed) unless start is 0.
 
         Returns:
-            (hids, out): hids = n+1 tensors [B, L, d], the states at layers 0..n; out =
-            the top layer after the final dropout, [B, L, d].
+            (hids, out): hids = the states [B, L, d] at the input of layer ``start`` and at the
+            output of each layer run (all n+1 by default); out = the last of them, after the
+            final dropout when the top layer ran.
         """
-        B, L = tokens.shape
-        emb = word_dropout(
-            self.word_emb(tokens), tokens, self.n_token, p=self.dropemb, training=self.training
-        )
+        start, end = (0, self.n_layer) if layers is None else layers
+        L = tokens.shape[1]
+        emb = None
+        if h is None:
+            emb = word_dropout(
+                self.word_emb(tokens), tokens, self.n_token, p=self.dropemb, training=self.training
+            )
         M = 0 if mem is None else mem.shape[2]
         C = cache.k * cache.seg_len if cache is not None and real_pos is None else 0
         mask = self._attn_mask(L, M, tokens.device)
         if extra_mask is not None:
             mask = mask | extra_mask
-        if real_pos is not None and self.training and self.drop_inp.p > 0:
-            # one dropped table for every distance, shared with the retrieved rows (RealPositions)
-            pos_seq = torch.arange(
-                0, max(M + L, real_pos.max_dist + 1), device=tokens.device, dtype=torch.float
-            )
-            if self.clamp_len > 0:
-                pos_seq = pos_seq.clamp(max=self.clamp_len)
-            table = self.drop_inp(self.pos_emb(pos_seq, emb.dtype))
-            real_pos = real_pos.with_table(table)
-            pos_emb = table[: M + L].flip(0)
-        else:
-            pos_seq = torch.arange(C + M + L - 1, -1, -1.0, device=tokens.device)
-            if self.clamp_len > 0:
-                pos_seq = pos_seq.clamp(max=self.clamp_len)
-            pos_emb = self.drop_inp(self.pos_emb(pos_seq, emb.dtype))
-        h = self.drop_inp(emb)
+        dtype = emb.dtype if emb is not None else h.dtype
+        pos_emb, real_pos = self._position_embeddings(C + M + L, real_pos, dtype, tokens.device)
+        if h is None:
+            h = self.drop_inp(emb)
         hids = [h]
         r_w = None if self.untie_r else self.r_w_bias
         r_r = None if self.untie_r else self.r_r_bias
-        for i, layer in enumerate(self.layers):
-            h = layer(
+        for i in range(start, end):
+            h = self.layers[i](
                 h,
                 pos_emb,
                 r_w_bias=r_w,
@@ -307,7 +304,27 @@ class TransformerLM(nn.Module):
                 mem_kv=None if mem_kv is None else mem_kv[i],
             )
             hids.append(h)
-        return hids, self.drop(h)
+        return hids, self.drop(h) if end == self.n_layer else h
+
+    def _position_embeddings(
+        self, K: int, real_pos: RealPositions | None, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, RealPositions | None]:
+        """Sinusoid embeddings of the distances K-1 .. 0 (clamped, dropped out): [K, d].
+
+        With ``cache.pos=real`` in training with dropout, one dropped table of every distance up
+        to the farthest retrieved row is drawn and shared with ``real_pos`` (so retrieved rows
+        and memory rows see the same dropout of a distance, as in ``concat``).
+        """
+        if real_pos is not None and self.training and self.drop_inp.p > 0:
+            pos_seq = torch.arange(0, max(K, real_pos.max_dist + 1), device=device, dtype=torch.float)
+            if self.clamp_len > 0:
+                pos_seq = pos_seq.clamp(max=self.clamp_len)
+            table = self.drop_inp(self.pos_emb(pos_seq, dtype))
+            return table[:K].flip(0), real_pos.with_table(table)
+        pos_seq = torch.arange(K - 1, -1, -1.0, device=device)
+        if self.clamp_len > 0:
+            pos_seq = pos_seq.clamp(max=self.clamp_len)
+        return self.drop_inp(self.pos_emb(pos_seq, dtype)), real_pos
 
     def memory_kv(self, mem: Tensor | None) -> list[Tensor] | None:
         """Keys and values of the memory at every layer, [B, M, 2 H d_h] each (None without memory).
