@@ -130,7 +130,7 @@ def evaluate(
             nll_tokens.append(out.nll.float().cpu())
             target_tokens.append(batch.target.cpu())
         if out.selection is not None:
-            stats.update(out.selection.age, state.cache.seg_len)
+            stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
         if recall is not None:
             recall.add(model, batch, out, state)
         bar.update(1)

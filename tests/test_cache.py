@@ -292,3 +292,17 @@ def test_backward_after_the_cache_was_renewed_raises_instead_of_wrong_gradients(
     model(tokens[:, 15:18], tokens[:, 16:19], first.state)  # commits the renewal in place
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         first.nll.sum().backward()
+
+
+def test_retrieval_stats_alpha_histograms_by_hand():
+    """alpha mass per token and the share of its largest weight, binned by tenths."""
+    stats = RetrievalStats()
+    alpha = torch.tensor([[[0.30, 0.10], [0.25, 0.25]], [[0.02, 0.06], [0.5, 0.45]]])  # [B=2, L=2, k=2]
+    stats.update(torch.full((2, 2, 2), 3), seg_len=3, alpha=alpha)
+    s = stats.summary()
+    # masses 0.40, 0.50, 0.08, 0.95 (k=2: bins of 0.2 over [0, 2]) -> bins 2, 2, 0, 4
+    assert s["alpha_mass_max"] == 2.0
+    assert s["alpha_mass_hist"] == [1, 0, 2, 0, 1, 0, 0, 0, 0, 0]
+    assert s["alpha_mass_mean"] == pytest.approx((0.40 + 0.50 + 0.08 + 0.95) / 4)
+    # top shares 0.75, 0.5, 0.75, 0.5263 -> bins 7, 5, 7, 5
+    assert s["alpha_top_share_hist"] == [0, 0, 0, 0, 0, 2, 0, 2, 0, 0]

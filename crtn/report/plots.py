@@ -443,10 +443,58 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
         ax.set_xlabel("cache slots N at evaluation (eval.n_slot); below: range m + N·L in tokens")
         ax.set_ylabel(f"{split} {METRIC_LABEL[m]}" + (" (log scale)" if log_y else "") + ", lower is better")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        right = _plot_retrieval_axis(ax, groups, m, cmap)
+        handles, labels = ax.get_legend_handles_labels()
+        if right is not None:
+            h2, l2 = right.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, fontsize=8, loc="best")
     _suptitle(fig, f"Eval-time cache extension ({split} split): {title}")
     fig.savefig(path)
     return True
+
+
+def retrieval_quality(fin: dict) -> tuple[str, float] | None:
+    """What an eval job says of its retrieval (issue 11): on the passage-recall corpus the
+    fraction of repeat tokens whose copy source was retrieved, elsewhere the mean alpha mass
+    per token. (label, value), or None when the job has neither."""
+    src = (fin.get("repeat") or {}).get("source_retrieved")
+    if isinstance(src, (int, float)):
+        return "copy source retrieved", float(src)
+    mass = (fin.get("retrieval") or {}).get("alpha_mass_mean")
+    if isinstance(mass, (int, float)):
+        return "alpha mass per token", float(mass)
+    return None
+
+
+def _plot_retrieval_axis(ax, groups: dict, metric: str, cmap):
+    """Retrieval quality against n_slot on a right-hand axis (dashed, squares); the axis or None."""
+    right, label = None, None
+    for g_i, members in enumerate(groups.values()):
+        pts = []
+        for j in members:
+            q = retrieval_quality(j.final() or {}) if j.metric == metric else None
+            if q is not None:
+                label = q[0]
+                pts.append((j.final()["n_slot"], q[1]))
+        if not pts:
+            continue
+        right = right or ax.twinx()
+        right.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="s",
+            linestyle="--",
+            linewidth=1.4,
+            color=cmap(g_i % 10),
+            alpha=0.8,
+            label=f"{label} (right axis)",
+        )
+    if right is not None:
+        right.set_ylabel(f"{label} (dashed), higher is better")
+        if label == "copy source retrieved":
+            right.set_ylim(0, 1.02)
+    return right
 
 
 def _n_tick(n: int, jobs: list[Job]) -> str:

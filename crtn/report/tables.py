@@ -15,6 +15,8 @@ TRAIN_HEAD += ["params", "steps"]
 RECALL_COLS = ["repeat_ppl", "repeat_acc", "fresh_ppl", "fresh_acc"]
 # where the copied source of repeat tokens lay (fractions, when evaluate() measured it)
 SOURCE_COLS = ["repeat_source_in_memory", "repeat_source_in_cache", "repeat_source_retrieved"]
+#: what crtn-eval says of retrieval on any corpus (issue 11): mean alpha mass per token, mean distance
+RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
 TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
 
 
@@ -89,7 +91,10 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
     cols += [f"{s}_{m}" for s in splits for m in metrics]
     if synthetic:
         cols += ["split"] + RECALL_COLS + _source_cols([j.final() for j in jobs])
-    cols += ["tokens_per_s", "note", "overrides"]
+    retrieval = [
+        c for c in RETRIEVAL_COLS if any(c in ((j.final() or {}).get("retrieval") or {}) for j in jobs)
+    ]
+    cols += retrieval + ["tokens_per_s", "note", "overrides"]
     rows = []
     for j in sorted(jobs, key=eval_sort_key):
         e = j.eval or {}
@@ -110,6 +115,8 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
             for c in RECALL_COLS + SOURCE_COLS:
                 kind, key = c.split("_", 1)
                 row[c] = (fin.get(kind) or {}).get(key)
+        for c in retrieval:
+            row[c] = (fin.get("retrieval") or {}).get(c)
         row["tokens_per_s"] = fin.get("tokens_per_s")
         row["note"] = j.note
         row["overrides"] = " ".join(j.overrides)
