@@ -118,6 +118,9 @@ class SummaryConfig:
     # of queries and rows to d_key (None: none)
     d_key: int | None = None
     tanh: bool = False  # linear only
+    # token_max: a token and the window-1 before it matched against aligned rows (an n-gram
+    # match); 1: the single-state match of the paper (README, "Retrieval that scales")
+    window: int = 1
 
 
 @dataclass

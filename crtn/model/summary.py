@@ -63,6 +63,7 @@ class Summary(nn.Module):
     key_is_view: bool = False
     row_keys: bool = False
     length_bound: bool = False
+    window: int = 1  # token_max: aligned rows matched per score (``summary.window``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -293,14 +294,36 @@ class TokenMax(Summary):
     the tokens before it). Rows are views of the cached states, so P_k is applied when
     scoring and trains like P_q (a learned retrieval space; issue 11). Without ``d_key`` the
     score is the plain dot product.
+
+    With ``window`` w > 1 (``summary.window``) a token matches a row together with the w - 1
+    tokens before each, aligned (an n-gram match instead of a single-state match):
+
+        score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-a}> / sqrt(d_key)
+
+    where q_{j-a} for j - a < 0 is a row of the previous segment's R (R_prev) and row_{r-a}
+    for r - a < 0 a row of the slot holding the segment just before (zero where there is
+    none: the first segment, or a predecessor evicted or never cached). The caller passes
+    them in front: queries [B, w-1+L, d] and rows [B, n, w-1+Ls, d]. On the passage-recall
+    corpus a top-layer state mostly encodes its own token, so a single-state match confuses
+    the copy source with every earlier use of the token, and more so the larger the cache;
+    w aligned tokens make a chance match rare (README, "Retrieval that scales").
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
 
     def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+        self,
+        seg_len: int,
+        d_model: int,
+        d_key: int | None = None,
+        tanh: bool = False,
+        n_head: int = 1,
+        window: int = 1,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+        if not 1 <= window <= seg_len:
+            raise ValueError(f"summary.window={window} must be in 1..{seg_len} (tgt_len)")
+        self.window = window
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -322,10 +345,16 @@ class TokenMax(Summary):
         return self.proj_q(query), self.proj_k(keys)
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
+        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, w-1+Ls, d] (w = window)."""
         query, keys = self._map(query, keys)
-        B, N, Ls, d = keys.shape
-        rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
-        return rows.view(B, -1, N, Ls).amax(-1) * (1.0 / math.sqrt(self.d_key))
+        B, N, Lk, d = keys.shape
+        rows = torch.bmm(query, keys.reshape(B, N * Lk, d).transpose(1, 2)).view(B, -1, N, Lk)
+        w = self.window
+        if w > 1:  # sum the w aligned diagonals: query j-a against row r-a
+            Lq, Ls = rows.shape[1] - w + 1, Lk - w + 1
+            rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
+            rows = rows * (1.0 / w)
+        return rows.amax(-1) * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
@@ -339,13 +368,24 @@ SUMMARIES: dict[str, type[Summary]] = {
 
 
 def make_summary(
-    name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    name: str,
+    seg_len: int,
+    d_model: int,
+    d_key: int | None = None,
+    tanh: bool = False,
+    n_head: int = 1,
+    window: int = 1,
 ) -> Summary:
-    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels.
+    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels;
+    ``window``: token_max's aligned rows per score.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or ``window`` > 1 for a summary other than token_max.
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
+    if window != 1:
+        if name != TokenMax.name:
+            raise ValueError(f"summary.window={window} applies to summary=token_max only, not {name}")
+        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, window=window)
     return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
