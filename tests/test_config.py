@@ -22,6 +22,9 @@ from crtn.config import (
     valid_summaries,
 )
 from crtn.data import load_corpus
+from crtn.errors import ConfigError
+from crtn.model import validate_model
+from crtn.model.crtn import dependency_range
 from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
 
 PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
@@ -114,3 +117,34 @@ def test_default_corpus_loads_fast():
     c = load_corpus(train_config().data)
     assert time.perf_counter() - t0 < 10.0
     assert c.name == "synthetic" and len(c.splits["train"]) == 2_000_000 and len(c.vocab) == 512
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (PAIR_DIR.parent / "experiment").glob("*.yaml")))
+def test_each_experiment_composes_into_a_valid_model(name):
+    cfg = composed("train", [f"+experiment={name}"])
+    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+
+
+def test_recall_long_reaches_its_farthest_copy():
+    """m + N L covers max_gap (and Transformer-XL's n_layer m + L does not reach min_gap)."""
+    cfg = composed("train", ["+experiment=recall_long"])
+    m, syn = cfg.model, cfg.data.synthetic
+    assert dependency_range(m.mem_len, cfg.cache.n_slot, m.tgt_len) >= syn.max_gap
+    assert m.n_layer * m.mem_len + m.tgt_len < syn.min_gap
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["summary=mean", "query=last_l", "summary.window=2"],
+            "summary.window=2 applies to summary=token_max",
+        ),
+        (["summary.window=0"], "summary.window=0 must be in 1..model.tgt_len"),
+        (["summary.window=33"], "summary.window=33 must be in 1..model.tgt_len (32)"),
+    ],
+)
+def test_window_validation_names_the_key(overrides, needle):
+    cfg = composed("train", overrides)
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
