@@ -118,9 +118,10 @@ class SummaryConfig:
     # of queries and rows to d_key (None: none)
     d_key: int | None = None
     tanh: bool = False  # linear only
-    # token_max: a token and the window-1 before it matched against aligned rows (an n-gram
-    # match); 1: the single-state match of the paper (README, "Retrieval that scales")
-    window: int = 1
+    # token_max: a token and the ngram-1 before it matched against aligned rows (an n-gram
+    # match; 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (4, at most
+    # tgt_len). README, "Retrieval that scales"
+    ngram: int | None = None
 
 
 @dataclass

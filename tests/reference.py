@@ -228,11 +228,11 @@ def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
     return (q @ key) / math.sqrt(q.shape[0])
 
 
-def naive_window_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
-    """token_max with ``summary.window`` w: max over rows r of (1/w) sum_{a<w} <q_{j-a}, row_{r-a}>
+def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
+    """token_max with ``summary.ngram`` w: max over rows r of (1/w) sum_{a<w} <q_{j-a}, row_{r-a}>
     / sqrt(d_key), one term at a time. ``qs``: the queries of R_prev then R_cur ([L] each, j
     indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms)."""
-    w, L = summary.window, len(qs) // 2
+    w, L = summary.ngram, len(qs) // 2
     Ls, d = rows.shape
     best = None
     for r in range(Ls):
@@ -340,7 +340,7 @@ class NaiveCRTN:
         if qc.detach:
             r_cur = r_cur.detach()
         strategy = m.query.strategy
-        if m.summary.window > 1:  # R_prev's rows too: the window reaches back into X_{t-1}
+        if m.summary.ngram > 1:  # R_prev's rows too: the window reaches back into X_{t-1}
             r_prev = self.row.r_prev if self.row.r_prev is not None else torch.zeros_like(r_cur)
             r_cur = torch.cat([r_prev, r_cur], 0)
         if strategy == "token":
@@ -422,9 +422,9 @@ class NaiveCRTN:
             retrieved = []
             k = min(m.top_k, len(st.slots))
             for j in range(L):
-                if m.summary.window > 1:
+                if m.summary.ngram > 1:
                     s = torch.stack(
-                        [naive_window_score(m.summary, queries, j, sl.key, self._lead(sl)) for sl in st.slots]
+                        [naive_ngram_score(m.summary, queries, j, sl.key, self._lead(sl)) for sl in st.slots]
                     )
                 else:
                     s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])

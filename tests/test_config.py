@@ -137,14 +137,14 @@ def test_recall_long_reaches_its_farthest_copy():
     "overrides,needle",
     [
         (
-            ["summary=mean", "query=last_l", "summary.window=2"],
-            "summary.window=2 applies to summary=token_max",
+            ["summary=mean", "query=last_l", "summary.ngram=2"],
+            "summary.ngram=2 applies to summary=token_max",
         ),
-        (["summary.window=0"], "summary.window=0 must be in 1..model.tgt_len"),
-        (["summary.window=33"], "summary.window=33 must be in 1..model.tgt_len (32)"),
+        (["summary.ngram=0"], "summary.ngram=0 must be in 1..model.tgt_len"),
+        (["summary.ngram=33"], "summary.ngram=33 must be in 1..model.tgt_len (32)"),
     ],
 )
-def test_window_validation_names_the_key(overrides, needle):
+def test_ngram_validation_names_the_key(overrides, needle):
     cfg = composed("train", overrides)
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)

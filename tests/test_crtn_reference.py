@@ -124,25 +124,26 @@ NEW_OPTIONS = {
     "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
     "key_layer_1": {"cache.key_layer": 1, "summary.name": "token_max", "summary.d_key": 6},
     "key_layer_0_window": {"cache.key_layer": 0, "query.strategy": "middle_l", "summary.name": "mean"},
-    "window_3": {"summary.name": "token_max", "summary.window": 3},
-    "window_2_proj_real": {
+    "ngram_3": {"summary.name": "token_max", "summary.ngram": 3},
+    "ngram_1": {"summary.name": "token_max", "summary.ngram": 1},
+    "ngram_2_proj_real": {
         "summary.name": "token_max",
-        "summary.window": 2,
+        "summary.ngram": 2,
         "summary.d_key": 6,
         "cache.pos": "real",
     },
-    "window_3_single_linear": {
+    "ngram_3_single_linear": {
         "query.strategy": "single_linear",
         "summary.name": "token_max",
-        "summary.window": 3,
+        "summary.ngram": 3,
     },
-    "window_3_discard_worst": {
+    "ngram_3_discard_worst": {
         "summary.name": "token_max",
-        "summary.window": 3,
+        "summary.ngram": 3,
         "cache.renew": "discard_worst",
         "cache.n_slot": 2,
     },
-    "window_2_layers_1": {"summary.name": "token_max", "summary.window": 2, "cache.layers": 1},
+    "ngram_2_layers_1": {"summary.name": "token_max", "summary.ngram": 2, "cache.layers": 1},
     "layers_1": {"cache.layers": 1},
     "layers_1_token_max_real": {"cache.layers": 1, "summary.name": "token_max", "cache.pos": "real"},
     "layers_1_fixed_length_2": {"cache.layers": 1, "query.strategy": "fixed_length_2", "summary.name": "max"},

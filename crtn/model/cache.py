@@ -146,14 +146,14 @@ class SegmentCache:
 
     def valid_keys(self) -> Tensor:
         """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max;
-        [B, n_valid, w-1+Ls, d] with ``summary.window`` w > 1, see :meth:`_lead_in`)."""
+        [B, n_valid, w-1+Ls, d] with ``summary.ngram`` w > 1, see :meth:`_lead_in`)."""
         assert self.values is not None
         nv = self.n_valid
         if self.summary.key_is_view:
             top = self.layer_values(self.key_layer % self.values.shape[0])[:, :nv]
             keys = self.summary.key(top)
-            if self.summary.window > 1:
-                keys = torch.cat([self._lead_in(top, self.summary.window - 1), keys], 2)
+            if self.summary.ngram > 1:
+                keys = torch.cat([self._lead_in(top, self.summary.ngram - 1), keys], 2)
             return keys
         assert self.keys is not None
         return self.keys[:, :nv]

@@ -99,13 +99,13 @@ class CRTN(TransformerLM):
             d_key=summary.d_key,
             tanh=summary.tanh,
             n_head=model.n_head,
-            window=summary.window,
+            ngram=summary.ngram,
         )
         self.query = make_query(
             query.strategy, model.tgt_len, d_model=model.d_model, d_key=self.summary.d_query, tanh=query.tanh
         )
-        # R_prev is kept for the strategies that read it and for token_max's window lead-in
-        self.needs_r_prev = self.query.needs_r_prev or self.summary.window > 1
+        # R_prev is kept for the strategies that read it and for token_max's n-gram lead-in
+        self.needs_r_prev = self.query.needs_r_prev or self.summary.ngram > 1
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")

@@ -261,7 +261,7 @@ class Token(QueryStrategy):
     strategy, kind = "token", TOKEN
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        """R_cur [B, L, d]; with ``summary.window`` w > 1 the last w-1 rows of R_prev in front."""
+        """R_cur [B, L, d]; with ``summary.ngram`` w > 1 the last w-1 rows of R_prev in front."""
         return _with_lead_in(summary, x)
 
 
@@ -284,9 +284,9 @@ class SingleLinear(QueryStrategy):
 
 
 def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
-    """R_cur [B, L, d], or [R_prev[-(w-1):]; R_cur] [B, w-1+L, d] for a ``summary.window`` w > 1."""
+    """R_cur [B, L, d], or [R_prev[-(w-1):]; R_cur] [B, w-1+L, d] for a ``summary.ngram`` w > 1."""
     assert x.r_cur is not None
-    w = summary.window
+    w = summary.ngram
     if w == 1:
         return x.r_cur
     assert x.r_prev is not None

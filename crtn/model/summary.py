@@ -63,7 +63,7 @@ class Summary(nn.Module):
     key_is_view: bool = False
     row_keys: bool = False
     length_bound: bool = False
-    window: int = 1  # token_max: aligned rows matched per score (``summary.window``)
+    ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -285,6 +285,10 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
     return (seg_len * width + 2 * conv_padding(d_model, n_head) - width) // seg_len + 1
 
 
+#: token_max's n-gram length when ``summary.ngram`` is None (README, "Retrieval that scales")
+DEFAULT_NGRAM = 4
+
+
 class TokenMax(Summary):
     """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d_key).
 
@@ -295,7 +299,7 @@ class TokenMax(Summary):
     scoring and trains like P_q (a learned retrieval space; issue 11). Without ``d_key`` the
     score is the plain dot product.
 
-    With ``window`` w > 1 (``summary.window``) a token matches a row together with the w - 1
+    With ``ngram`` w > 1 (``summary.ngram``) a token matches a row together with the w - 1
     tokens before each, aligned (an n-gram match instead of a single-state match):
 
         score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-a}> / sqrt(d_key)
@@ -318,12 +322,13 @@ class TokenMax(Summary):
         d_key: int | None = None,
         tanh: bool = False,
         n_head: int = 1,
-        window: int = 1,
+        ngram: int | None = None,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        if not 1 <= window <= seg_len:
-            raise ValueError(f"summary.window={window} must be in 1..{seg_len} (tgt_len)")
-        self.window = window
+        ngram = min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram
+        if not 1 <= ngram <= seg_len:
+            raise ValueError(f"summary.ngram={ngram} must be in 1..{seg_len} (tgt_len)")
+        self.ngram = ngram
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -345,11 +350,11 @@ class TokenMax(Summary):
         return self.proj_q(query), self.proj_k(keys)
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, w-1+Ls, d] (w = window)."""
+        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, w-1+Ls, d] (w = ngram)."""
         query, keys = self._map(query, keys)
         B, N, Lk, d = keys.shape
         rows = torch.bmm(query, keys.reshape(B, N * Lk, d).transpose(1, 2)).view(B, -1, N, Lk)
-        w = self.window
+        w = self.ngram
         if w > 1:  # sum the w aligned diagonals: query j-a against row r-a
             Lq, Ls = rows.shape[1] - w + 1, Lk - w + 1
             rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
@@ -374,18 +379,18 @@ def make_summary(
     d_key: int | None = None,
     tanh: bool = False,
     n_head: int = 1,
-    window: int = 1,
+    ngram: int | None = None,
 ) -> Summary:
     """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels;
-    ``window``: token_max's aligned rows per score.
+    ``ngram``: token_max's aligned tokens per score (None: :data:`DEFAULT_NGRAM`, at most seg_len).
 
     Raises:
-        ValueError: unknown name, or ``window`` > 1 for a summary other than token_max.
+        ValueError: unknown name, or ``ngram`` other than 1 for a summary other than token_max.
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
-    if window != 1:
-        if name != TokenMax.name:
-            raise ValueError(f"summary.window={window} applies to summary=token_max only, not {name}")
-        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, window=window)
+    if name == TokenMax.name:
+        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, ngram=ngram)
+    if ngram not in (None, 1):
+        raise ValueError(f"summary.ngram={ngram} applies to summary=token_max only, not {name}")
     return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
