@@ -166,7 +166,7 @@ class _RecallSums:
         self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
         self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
         # repeat tokens: source in memory, cached, retrieved; all
-        self.where = torch.zeros(4, dtype=torch.float64, device=device)
+        self.where = torch.zeros(5, dtype=torch.float64, device=device)
 
     def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
         label = batch.label
@@ -204,10 +204,11 @@ class _RecallSums:
                     entry["source_ppl"] = math.exp(src[m].double().mean().item())
             result[k] = entry
         if self.gap_all is not None and self.where[3] > 0:
-            mem, cached, hit, n = self.where.tolist()
+            mem, cached, hit, n, chain = self.where.tolist()
             result["repeat"]["source_in_memory"] = mem / n
             result["repeat"]["source_in_cache"] = cached / n
             result["repeat"]["source_retrieved"] = hit / n
+            result["repeat"]["copy_retrieved"] = chain / n
         return result
 
 
@@ -239,9 +240,12 @@ def _source_location(
 ) -> torch.Tensor:
     """Where the token that each repeated target copies lies, for the passage-recall corpus.
 
-    Returns [4] counts over ``repeat`` targets: source within the memory or current
+    Returns [5] counts over ``repeat`` targets: source within the memory or current
     segment (reachable without retrieval), source in a cached slot, source in one of the
-    token's retrieved slots, and all repeat targets. Positions are per-stream (SPEC §4).
+    token's retrieved slots, all repeat targets, and targets for which a retrieved slot
+    holds the source *or an earlier copy of the same text* (the source's own source, and
+    so on: a passage copied from a copy appears twice in a large cache, and either
+    occurrence lets the model copy). Positions are per-stream (SPEC §4).
     """
     L = batch.input.shape[1]
     t0 = batch.index * model.tgt_len
@@ -259,10 +263,21 @@ def _source_location(
         pos = t0 - out.selection.age  # [B, L, k]
         hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
         counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
+        chain_hit = hit.clone()
+        for _ in range(_COPY_CHAIN):  # follow the copy chain back: src - gap[src]
+            g = gap_all[(row_base + src.clamp(min=0)).clamp(max=gap_all.numel() - 1)].long()
+            src = torch.where((g > 0) & (src >= 0), src - g, torch.full_like(src, -1))
+            chain_hit |= (src >= 0) & ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+        chain = (chain_hit & repeat).sum()
     else:
         counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
-    counts.append(repeat.sum())
+        chain = torch.zeros((), device=repeat.device, dtype=torch.long)
+    counts += [repeat.sum(), chain]
     return torch.stack(counts).double()
+
+
+#: earlier copies followed back from a copied token's source (``copy_retrieved``)
+_COPY_CHAIN = 8
 
 
 def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -283,6 +298,8 @@ def format_metrics(m: dict[str, Any]) -> str:
         if e and "ppl" in e:
             src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
             hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
+            if "copy_retrieved" in e:
+                hit += f" (a copy {e['copy_retrieved']:.2f})"
             parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
     return " | ".join(parts)
 
