@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from crtn.config import metric_name, uses_cache, validate_eval
 from crtn.data import load_corpus
 from crtn.errors import UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
+from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ def metric_value(loss: float, level: str) -> float:
     return math.exp(min(loss, 700.0))
 
 
+class EvaluationStopped(Exception):
+    """An evaluation abandoned because its ``stop`` callback asked for it."""
+
+
 @torch.no_grad()
 def evaluate(
     model: TransformerLM,
@@ -86,6 +91,7 @@ def evaluate(
     max_step: int | None = None,
     progress: bool = False,
     per_token: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on a split of ``corpus`` with the model's current lengths.
 
@@ -97,12 +103,14 @@ def evaluate(
         max_step: evaluate only the first ``max_step`` segments (None: all).
         per_token: also return ``nll_tokens`` / ``target_tokens`` (CPU tensors, stream order
             per row) for analyses such as frequency buckets.
+        stop: asked before each segment; True abandons the evaluation (a signal during training).
 
     Returns:
         metrics dict (see module docstring); the model is left in eval mode.
 
     Raises:
         DataError: the split is too short for one segment with ``batch_size`` streams.
+        EvaluationStopped: ``stop()`` returned True.
     """
     model.eval()
     it = corpus.iterator(split, batch_size, model.tgt_len, drop_last=False)
@@ -119,6 +127,9 @@ def evaluate(
     for batch in it.iterate(0):
         if batch.index >= n_seg:
             break
+        if stop is not None and stop():
+            bar.close()
+            raise EvaluationStopped(f"evaluation of {split!r} stopped at segment {batch.index}")
         batch = batch.to(device)
         out = model(batch.input, batch.target, state)
         state = out.state
@@ -334,7 +345,7 @@ def run_eval(cfg: Any) -> dict[str, Any]:
             print(format_metrics(m), flush=True)
             results[split] = _jsonable(m)
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
-    out.write_text(json.dumps(results, indent=2))
+    atomic_write_text(out, json.dumps(results, indent=2))
     log.info("wrote %s", out)
     return results
 

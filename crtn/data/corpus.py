@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from crtn.data.base import SPLITS, Corpus
 from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 from crtn.errors import ConfigError, DataError
+from crtn.utils import atomic_write
 
 #: Standard corpus folder of each data set (``data.dir`` when it is None).
 DEFAULT_DIRS = {
@@ -267,17 +267,7 @@ def cache_dir_for(corpus_dir: Path, cache_dir: str | None) -> Path | None:
 
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Write ``path`` through a temporary file in its folder and ``os.replace``; no leftovers on error."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, write, mode=None)
 
 
 class _CacheFiles:
@@ -340,7 +330,13 @@ def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
             hit = files.load()  # another process may have built it while we waited
             if hit is None:
                 vocab, arrays, meta = _build(plan)
-                files.save(vocab, arrays, meta)
+                try:
+                    files.save(vocab, arrays, meta)
+                except OSError as e:
+                    raise DataError(
+                        f"cannot write the corpus cache in {str(folder)!r} ({e.strerror or e}); free space "
+                        "there or set data.cache_dir to another folder"
+                    ) from None
                 hit, status = (vocab, arrays, meta), "built"
     vocab, arrays, meta = hit
     return _make_corpus(
