@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from crtn.config import APP_SCHEMAS, register_configs
 from crtn.errors import ConfigError, UserError
-from crtn.rundir import RunDirLocked, lock_run_dir
+from crtn.rundir import RunDirLocked, lock_run_dir, previous_run
 from crtn.utils import atomic_write, atomic_write_text, tune_allocator
 
 #: Where every app's primary config lives (``conf/`` is installed as the package ``crtn.conf``).
@@ -97,8 +97,8 @@ def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any, lock: bool = 
 
     With ``lock`` the run folder is locked first (:func:`crtn.rundir.lock_run_dir`): a second
     process on the same folder stops there, before writing anything. A user error (a refusal)
-    on a folder that had a ``status.json`` puts the previous one back: the refused command leaves
-    the run as it found it.
+    on a folder that had a ``status.json`` or held a run puts the previous state back: the refused
+    command leaves the run as it found it.
     """
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -109,14 +109,15 @@ def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any, lock: bool = 
     global _run_started
     _run_started = False
     previous = _read_bytes(run_dir / "status.json") if main_rank else None
+    held_run = bool(previous_run(run_dir))
     status("running")
     try:
         with report_user_errors(prog):
             try:
                 result = fn(cfg)
             except BaseException as e:
-                if isinstance(e, UserError) and previous is not None and not _run_started:
-                    atomic_write(run_dir / "status.json", lambda f: f.write(previous))
+                if isinstance(e, UserError) and not _run_started and (previous is not None or held_run):
+                    _put_back(run_dir / "status.json", previous)
                 elif not isinstance(e, SystemExit):
                     status("failed", error=f"{type(e).__name__}: {e}".strip().splitlines()[0])
                 raise
@@ -136,6 +137,14 @@ def mark_run_started() -> None:
     the run ``failed`` instead of putting the previous ``status.json`` back."""
     global _run_started
     _run_started = True
+
+
+def _put_back(path: Path, content: bytes | None) -> None:
+    """``path`` as it was: ``content``, or no file when None."""
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, lambda f: f.write(content))
 
 
 def _read_bytes(path: Path) -> bytes | None:

@@ -35,7 +35,7 @@ from crtn.app import resolve_device, run_app
 from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.config import metric_name, uses_cache, validate_eval
 from crtn.data import load_corpus
-from crtn.errors import UserError
+from crtn.errors import CheckpointError, UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
 from crtn.utils import atomic_write_text
 
@@ -320,11 +320,30 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
     return ckpt, train_cfg
 
 
+def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
+    """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
+
+    Raises:
+        CheckpointError: names the checkpoint and the corpus folder or file.
+    """
+    saved = ckpt.get("vocab")
+    if saved is None or list(saved) == list(corpus.vocab.idx2sym):
+        return
+    files = corpus.info.get("files") or []
+    where = repr(str(Path(files[0]).parent)) if files else f"data.name={corpus.name}"
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with another vocabulary ({len(saved)} symbols) than the "
+        f"corpus of {where} ({len(corpus.vocab)}); point data.root/data.dir/data.path "
+        "at the corpus it was trained on"
+    )
+
+
 def run_eval(cfg: Any) -> dict[str, Any]:
     """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
     ckpt, train_cfg = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
     corpus = load_corpus(train_cfg.data)
+    check_vocab(ckpt, corpus, cfg.checkpoint)
     model = build_model(train_cfg, len(corpus.vocab)).to(device)
     model.load_state_dict(ckpt["model"])
     batch_size = cfg.eval.batch_size or train_cfg.data.eval_batch_size

@@ -36,10 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
 from crtn.app import mark_run_started, resolve_device, run_app
 from crtn.config import uses_cache, validate_train
 from crtn.distributed import DistributedContext
+from crtn.errors import ConfigError
 from crtn.evaluate import format_metrics
 from crtn.rundir import claim_run_dir
 from crtn.trainer import Trainer, TrainingDiverged, lr_factor
@@ -63,7 +65,27 @@ def run_training(cfg: Any) -> dict[str, Any]:
         UserError: bad config, data or checkpoint (printed as one line by the CLI).
         TrainingDiverged: a non-finite training loss.
     """
-    return train_in(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:  # a sweep may pair model=txl with cache settings on purpose
+        check_unused_overrides(cfg, list(hc.overrides.task))
+    return train_in(cfg, Path(hc.runtime.output_dir))
+
+
+def check_unused_overrides(cfg: Any, overrides: list[str]) -> None:
+    """Refuse ``cache.*``, ``query`` or ``summary`` settings given on the command line of a single run
+    whose model keeps no cache (``model=txl cache.n_slot=4``): they would be ignored silently.
+
+    Raises:
+        ConfigError: names the first such override and the model.
+    """
+    if uses_cache(cfg.model):
+        return
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in ("cache", "query", "summary"):
+            raise ConfigError(
+                f"{item} has no effect: model={cfg.model.name} keeps no cache (use model=crtn, or drop it)"
+            )
 
 
 def train_in(cfg: Any, run_dir: Path) -> dict[str, Any]:

@@ -119,6 +119,8 @@ def run_main(main: Any, prog: str, args: list[str], capfd: Any) -> tuple[int, st
     from hydra.core.global_hydra import GlobalHydra
 
     argv = sys.argv
+    root = logging.getLogger()
+    handlers = list(root.handlers)
     capfd.readouterr()
     code = 0
     sys.argv = [prog, *args]
@@ -129,9 +131,9 @@ def run_main(main: Any, prog: str, args: list[str], capfd: Any) -> tuple[int, st
     finally:
         sys.argv = argv
         GlobalHydra.instance().clear()
-        root = logging.getLogger()
-        for h in list(root.handlers):  # Hydra's file handler of this run
-            root.removeHandler(h)
-            h.close()
+        for h in list(root.handlers):  # Hydra's handlers of this run (its log file...)
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
     out, err = capfd.readouterr()
     return code, out, err

@@ -326,22 +326,34 @@ def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
     hit = files.load()  # fast path: a complete cache needs no lock
     status = "loaded"
     if hit is None:
-        with FileLock(str(files.lock)):
-            hit = files.load()  # another process may have built it while we waited
-            if hit is None:
-                vocab, arrays, meta = _build(plan)
-                try:
-                    files.save(vocab, arrays, meta)
-                except OSError as e:
-                    raise DataError(
-                        f"cannot write the corpus cache in {str(folder)!r} ({e.strerror or e}); free space "
-                        "there or set data.cache_dir to another folder"
-                    ) from None
-                hit, status = (vocab, arrays, meta), "built"
+        fresh = not any(folder.iterdir())
+        try:
+            with FileLock(str(files.lock)):
+                hit = files.load()  # another process may have built it while we waited
+                if hit is None:
+                    vocab, arrays, meta = _build(plan)
+                    _save_cache(files, vocab, arrays, meta)
+                    hit, status = (vocab, arrays, meta), "built"
+        except BaseException:  # a bad corpus or a full disk leaves no trace in the cache folder
+            with contextlib.suppress(OSError):
+                files.lock.unlink()
+                if fresh:
+                    folder.rmdir()
+            raise
     vocab, arrays, meta = hit
     return _make_corpus(
         plan, vocab, arrays=arrays, meta=meta, extra={"cache": status, "cache_dir": str(folder)}
     )
+
+
+def _save_cache(files: _CacheFiles, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    try:
+        files.save(vocab, arrays, meta)
+    except OSError as e:
+        raise DataError(
+            f"cannot write the corpus cache in {str(files.folder)!r} ({e.strerror or e}); free space "
+            "there or set data.cache_dir to another folder"
+        ) from None
 
 
 def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict, extra: dict) -> Corpus:
