@@ -103,14 +103,13 @@ def evaluate(
         max_step: evaluate only the first ``max_step`` segments (None: all).
         per_token: also return ``nll_tokens`` / ``target_tokens`` (CPU tensors, stream order
             per row) for analyses such as frequency buckets.
-        stop: asked before each segment; True abandons the evaluation (a signal during training).
+        stop: asked before each segment; True abandons it (raises EvaluationStopped).
 
     Returns:
         metrics dict (see module docstring); the model is left in eval mode.
 
     Raises:
         DataError: the split is too short for one segment with ``batch_size`` streams.
-        EvaluationStopped: ``stop()`` returned True.
     """
     model.eval()
     it = corpus.iterator(split, batch_size, model.tgt_len, drop_last=False)
@@ -127,8 +126,7 @@ def evaluate(
     for batch in it.iterate(0):
         if batch.index >= n_seg:
             break
-        if stop is not None and stop():
-            bar.close()
+        if stop is not None and stop():  # (training's validations show no bar to close)
             raise EvaluationStopped(f"evaluation of {split!r} stopped at segment {batch.index}")
         batch = batch.to(device)
         out = model(batch.input, batch.target, state)

@@ -401,3 +401,24 @@ def test_a_pickle_payload_is_refused_everywhere_without_running_it(tmp_path, cap
     with pytest.raises(UserError):
         load_checkpoint(bad)
     assert not marker.exists()
+
+
+def test_a_corrupt_or_foreign_vocabulary_cache_is_rebuilt(tmp_path):
+    """The corpus cache is only a cache: a vocabulary file that is garbage, or another corpus' of the
+    same size, is detected (the meta file holds its digest) and the cache rebuilt from the text."""
+    from crtn.data import load_corpus
+    from tests.test_data import _tiny_ptb, data_cfg
+
+    root = _tiny_ptb(tmp_path / "a")
+    cfg = data_cfg(name="ptb", root=str(root), cache_dir=str(tmp_path / "cache"))
+    fresh = load_corpus(cfg)
+    vocab_file = next((tmp_path / "cache").glob("*.vocab.json"))
+    good = vocab_file.read_bytes()
+    swapped = json.loads(good)  # the same symbols in another order: same size, other ids
+    swapped["idx2sym"] = swapped["idx2sym"][::-1]
+    for bad in (b"\x00garbage{", json.dumps(swapped).encode()):
+        vocab_file.write_bytes(bad)
+        c = load_corpus(cfg)
+        assert c.info["cache"] == "built" and c.vocab == fresh.vocab
+        assert all(torch.equal(c.splits[s], fresh.splits[s]) for s in fresh.splits)
+        assert vocab_file.read_bytes() == good

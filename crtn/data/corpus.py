@@ -270,6 +270,10 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     atomic_write(path, write, mode=None)
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 class _CacheFiles:
     def __init__(self, folder: Path, plan: _Plan):
         key_data = plan.key_data()
@@ -290,8 +294,11 @@ class _CacheFiles:
             meta = json.loads(self.meta.read_text(encoding="utf-8"))
             vocab = Vocab.load(self.vocab)
             arrays = {s: np.load(self.splits[s], allow_pickle=False) for s in SPLITS}
+            vocab_bytes = self.vocab.read_bytes()
         except (OSError, ValueError, KeyError):
             return None
+        if meta.get("vocab_sha256", _sha256(vocab_bytes)) != _sha256(vocab_bytes):
+            return None  # a vocabulary file from elsewhere (another corpus, a partial copy)
         for s in SPLITS:
             a = arrays[s]
             if a.ndim != 1 or len(a) != meta["tokens"][s] or (len(a) and a.max() >= len(vocab)):
@@ -308,7 +315,8 @@ class _CacheFiles:
             for s in SPLITS:
                 _atomic_write(self.splits[s], lambda f, a=arrays[s]: np.save(f, a, allow_pickle=False))
                 written.append(self.splits[s])
-            meta_bytes = json.dumps({**meta, "key": self.key_data}, indent=1).encode("utf-8")
+            meta = {**meta, "key": self.key_data, "vocab_sha256": _sha256(data)}
+            meta_bytes = json.dumps(meta, indent=1).encode("utf-8")
             _atomic_write(self.meta, lambda f: f.write(meta_bytes))
         except BaseException:
             for p in written:
@@ -359,7 +367,11 @@ def _save_cache(files: _CacheFiles, vocab: Vocab, arrays: dict[str, np.ndarray],
 def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict, extra: dict) -> Corpus:
     splits = {s: torch.from_numpy(np.asarray(arrays[s], dtype=np.int64)) for s in SPLITS}
     counts = torch.bincount(splits["train"], minlength=len(vocab))
-    info = {**{k: v for k, v in meta.items() if k != "key"}, **extra, "files": [str(f) for f in plan.files]}
+    info = {
+        **{k: v for k, v in meta.items() if k not in ("key", "vocab_sha256")},
+        **extra,
+        "files": [str(f) for f in plan.files],
+    }
     return Corpus(
         name=plan.name,
         vocab=vocab,
