@@ -93,18 +93,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
-            raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})") from None
-        found = re.search(r"GLOBAL (\S+)", str(e))
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} holds pickled Python objects ({found.group(1) if found else '?'}), "
-            "not only tensors and plain values; crtn reads checkpoints with torch.load(weights_only=True) "
-            "and never runs code from a file (there is no opt-in: re-save the weights you trust as a "
-            "state_dict and convert them with crtn-convert)"
-        ) from None
-    except Exception as e:  # corrupt, truncated, or not a torch file
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})") from None
+    except Exception as e:  # corrupt, truncated, not a torch file, or a pickle payload
+        raise CheckpointError(unreadable(path, e)) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(
             f"{str(path)!r} is not a crtn checkpoint (convert Transformer-XL weights with crtn-convert)"
@@ -120,7 +110,31 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The first sentence of the first line of ``e``'s message."""
+    text = str(e).strip()
+    return text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+
+
+def unreadable(path: Path, e: BaseException) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed with ``e``, as one line naming the file."""
+    found = re.search(r"GLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+    if found:
+        return (
+            f"checkpoint {str(path)!r} holds pickled Python objects ({found.group(1)}), not only tensors "
+            "and plain values; crtn reads checkpoints with torch.load(weights_only=True) and never runs "
+            "code from a file (there is no opt-in: re-save the weights you trust as a state_dict and "
+            "convert them with crtn-convert)"
+        )
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+    except OSError:
+        zipped = False
+    if zipped:
+        return f"checkpoint {str(path)!r} cannot be read: it is truncated or corrupt ({_first_line(e)})"
+    if isinstance(e, pickle.UnpicklingError):
+        return f"{str(path)!r} is not a torch checkpoint file (it does not unpickle as tensors)"
+    return f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})"
 
 
 def checkpoint_config(ckpt: dict[str, Any]) -> Any:

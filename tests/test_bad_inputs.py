@@ -203,7 +203,7 @@ CASES = [
         "init_from truncated",
         "crtn-train",
         [*T, "init_from={w}/bad/truncated.pt"],
-        ["{w}/bad/truncated.pt", "cannot be read"],
+        ["{w}/bad/truncated.pt", "cannot be read: it is truncated or corrupt"],
     ),
     Case(
         "init_from not a checkpoint",
@@ -260,13 +260,19 @@ CASES = [
         "eval truncated",
         "crtn-eval",
         [*EV, "checkpoint={w}/bad/truncated.pt"],
-        ["{w}/bad/truncated.pt", "cannot be read"],
+        ["{w}/bad/truncated.pt", "cannot be read: it is truncated or corrupt"],
     ),
     Case(
         "eval garbage",
         "crtn-eval",
         [*EV, "checkpoint={w}/bad/random.pt"],
-        ["{w}/bad/random.pt", "cannot be read"],
+        ["{w}/bad/random.pt", "truncated or corrupt"],
+    ),
+    Case(
+        "eval a text file",
+        "crtn-eval",
+        [*EV, "checkpoint={w}/file"],
+        ["{w}/file", "not a torch checkpoint file"],
     ),
     Case("eval newer", "crtn-eval", [*EV, "checkpoint={w}/bad/newer.pt"], ["{w}/bad/newer.pt", "version 99"]),
     Case(
@@ -315,7 +321,9 @@ CASES = [
     ),
     # ------------------------------------------------------------------ crtn-convert
     Case("convert missing", "crtn-convert", ["src={w}/bad/nope.pt", "out={out}/c"], ["{w}/bad/nope.pt"]),
-    Case("convert not torch", "crtn-convert", ["src={w}/file", "out={out}/c"], ["{w}/file"]),
+    Case(
+        "convert not torch", "crtn-convert", ["src={w}/file", "out={out}/c"], ["{w}/file", "not a torch file"]
+    ),
     Case(
         "convert missing tensor",
         "crtn-convert",
