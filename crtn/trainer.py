@@ -130,12 +130,17 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop records after ``max_step`` (they are re-done after a resume)."""
+    """Drop records after ``max_step`` (they are re-done after a resume), and a last record torn by
+    a kill in the middle of its append."""
     if not path.exists():
         return
-    keep = [
-        line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= max_step
-    ]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                keep.append(line)
+        except ValueError:  # empty or torn
+            continue
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 

@@ -422,3 +422,19 @@ def test_a_corrupt_or_foreign_vocabulary_cache_is_rebuilt(tmp_path):
         assert c.info["cache"] == "built" and c.vocab == fresh.vocab
         assert all(torch.equal(c.splits[s], fresh.splits[s]) for s in fresh.splits)
         assert vocab_file.read_bytes() == good
+
+
+def test_resume_drops_a_torn_metrics_record(tmp_path, monkeypatch):
+    """A kill in the middle of appending to metrics.jsonl leaves half a line; the resumed run drops
+    it (with the records after the checkpoint) and ends as an uninterrupted run."""
+    cfg = cfg_of("train.max_step=6", "train.log_interval=1", "train.checkpoint_interval=3")
+    train_in(cfg, tmp_path / "full")
+    part = tmp_path / "part"
+    with monkeypatch.context() as m:
+        kill_before_step(m, 5)
+        with pytest.raises(Killed):
+            train_in(cfg, part)
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train_lo')
+    train_in(cfg, part)
+    assert comparable(part) == comparable(tmp_path / "full")
