@@ -188,6 +188,10 @@ class TrainConfig:
     amp: bool = False  # bf16 autocast on CUDA
     progress: bool = True  # tqdm progress bar
     resume: bool = True  # continue from checkpoints/last.pt of the run directory if present
+    # resume=false on a run directory that holds a run: refused unless overwrite=true (deletes it)
+    overwrite: bool = False
+    # resume although train.* keys that shape the run (max_step, eval_interval...) changed
+    allow_change: bool = False
     tensorboard: bool = False
 
 

@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,9 @@ from crtn.app import resolve_device, run_app
 from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.config import metric_name, uses_cache, validate_eval
 from crtn.data import load_corpus
-from crtn.errors import UserError
+from crtn.errors import CheckpointError, UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
+from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ def metric_value(loss: float, level: str) -> float:
     return math.exp(min(loss, 700.0))
 
 
+class EvaluationStopped(Exception):
+    """An evaluation abandoned because its ``stop`` callback asked for it."""
+
+
 @torch.no_grad()
 def evaluate(
     model: TransformerLM,
@@ -86,6 +91,7 @@ def evaluate(
     max_step: int | None = None,
     progress: bool = False,
     per_token: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on a split of ``corpus`` with the model's current lengths.
 
@@ -97,6 +103,7 @@ def evaluate(
         max_step: evaluate only the first ``max_step`` segments (None: all).
         per_token: also return ``nll_tokens`` / ``target_tokens`` (CPU tensors, stream order
             per row) for analyses such as frequency buckets.
+        stop: asked before each segment; True abandons it (raises EvaluationStopped).
 
     Returns:
         metrics dict (see module docstring); the model is left in eval mode.
@@ -119,6 +126,8 @@ def evaluate(
     for batch in it.iterate(0):
         if batch.index >= n_seg:
             break
+        if stop is not None and stop():  # (training's validations show no bar to close)
+            raise EvaluationStopped(f"evaluation of {split!r} stopped at segment {batch.index}")
         batch = batch.to(device)
         out = model(batch.input, batch.target, state)
         state = out.state
@@ -326,11 +335,30 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
     return ckpt, train_cfg
 
 
+def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
+    """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
+
+    Raises:
+        CheckpointError: names the checkpoint and the corpus folder or file.
+    """
+    saved = ckpt.get("vocab")
+    if saved is None or list(saved) == list(corpus.vocab.idx2sym):
+        return
+    files = corpus.info.get("files") or []
+    where = repr(str(Path(files[0]).parent)) if files else f"data.name={corpus.name}"
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with another vocabulary ({len(saved)} symbols) than the "
+        f"corpus of {where} ({len(corpus.vocab)}); point data.root/data.dir/data.path "
+        "at the corpus it was trained on"
+    )
+
+
 def run_eval(cfg: Any) -> dict[str, Any]:
     """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
     ckpt, train_cfg = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
     corpus = load_corpus(train_cfg.data)
+    check_vocab(ckpt, corpus, cfg.checkpoint)
     model = build_model(train_cfg, len(corpus.vocab)).to(device)
     model.load_state_dict(ckpt["model"])
     batch_size = cfg.eval.batch_size or train_cfg.data.eval_batch_size
@@ -351,7 +379,7 @@ def run_eval(cfg: Any) -> dict[str, Any]:
             print(format_metrics(m), flush=True)
             results[split] = _jsonable(m)
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
-    out.write_text(json.dumps(results, indent=2))
+    atomic_write_text(out, json.dumps(results, indent=2))
     log.info("wrote %s", out)
     return results
 
