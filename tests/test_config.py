@@ -3,7 +3,6 @@ tests', the benchmark's and the config groups' options build on it."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -112,10 +111,10 @@ def test_each_pair_file_selects_its_pair(strategy, summary):
     assert (cfg.query.strategy, cfg.summary.name) == (strategy, summary)
 
 
-def test_default_corpus_loads_fast():
-    t0 = time.perf_counter()
+def test_default_corpus_is_the_schemas():
+    """The default corpus is the synthetic one the schema describes (its load time is the
+    benchmark's business, not a test's)."""
     c = load_corpus(train_config().data)
-    assert time.perf_counter() - t0 < 10.0
     assert c.name == "synthetic" and len(c.splits["train"]) == 2_000_000 and len(c.vocab) == 512
 
 
