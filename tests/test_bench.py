@@ -18,7 +18,9 @@ def test_smoke_benchmark_reports_all_sections_and_targets(tmp_path, capsys):
     # and with cache.layers=1; every row says what it measures
     names = [r["config"] for r in res["strategies"]["train"]]
     assert names[0].startswith("txl") and len(names) == 3 + len(STRATEGIES)
-    assert {"crtn(token/token_max)", "crtn(token/last_state)", "crtn(token/token_max, layers=1)"} <= set(names)
+    assert {"crtn(token/token_max)", "crtn(token/last_state)", "crtn(token/token_max, layers=1)"} <= set(
+        names
+    )
     assert all(r["measures"] for r in res["strategies"]["train"] + res["range"]["rows"])
     limits = {t["target"]: t["limit"] for t in res["targets"]}
     assert limits["crtn(token/token_max) train step / txl"] == 1.8

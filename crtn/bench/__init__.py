@@ -130,7 +130,9 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 
     if "range" in res:
         for r in res["range"]["rows"][1:]:
-            add(f"{r['config']} tokens/s / txl(same range)", r["speedup_vs_txl_same_range"], RANGE_LIMIT, True)
+            add(
+                f"{r['config']} tokens/s / txl(same range)", r["speedup_vs_txl_same_range"], RANGE_LIMIT, True
+            )
     if "scaling" in res:
         pair = "/".join(SCALING_PAIRS[0])
         rows = res["scaling"][pair]
