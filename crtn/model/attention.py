@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crtn.model.dropout import make_dropout
+from crtn.model.evalkv import kv_mix, kv_scores
 
 
 class PositionalEmbedding(nn.Module):
@@ -97,6 +98,8 @@ class CacheContext:
             first token of each retrieved segment (for ``cache.pos=real``), else None.
         first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
             stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
+        kv: [n_kv, B*N, Ls, 2 H d_h] projected keys and values of every slot (evaluation,
+            ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
     """
 
     values: Tensor
@@ -105,6 +108,7 @@ class CacheContext:
     weighted: bool
     age: Tensor | None = None
     first_layer: int = 0
+    kv: Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -248,6 +252,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         layer: int = 0,
         real_pos: RealPositions | None = None,
         mem_kv: Tensor | None = None,
+        kv_out: list[Tensor] | None = None,
     ) -> Tensor:
         """One attention sub-layer (residual and LayerNorm included).
 
@@ -265,6 +270,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             real_pos: position terms of retrieved rows for ``cache.pos=real``.
             mem_kv: [B, M, 2 H d_h] keys and values of ``mem`` from :meth:`project_memory`,
                 when computed once for several passes over the same memory (CRTN).
+            kv_out: a list that receives the current segment's keys and values [B, L, 2 H d_h]
+                (evaluation keeps them for the next steps, ``evalkv.py``), or None.
 
         Returns:
             [B, L, d] the sub-layer output.
@@ -280,6 +287,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         w_q, w_kv = self.qkv_net.weight.split([H * dh, 2 * H * dh])
         q = F.linear(x, w_q).view(B, L, H, dh)
         kv = F.linear(x, w_kv)
+        if kv_out is not None:
+            kv_out.append(kv)
         if mem_kv is not None:
             kv = torch.cat([mem_kv, kv], 1)
         K = kv.shape[1]
@@ -333,21 +342,14 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """
         rw_q, rr_q = q
         B, L = rw_q.shape[:2]
-        H, dh, d = self.n_head, self.d_head, self.d_model
-        w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
-        values = cache.values[layer - cache.first_layer]  # [B*N, Ls, d]
+        H, dh = self.n_head, self.d_head
         index = cache.index.reshape(B * L, cache.k)
         C = cache.k * cache.seg_len
-        # content term (q_j + u).W_{k,E} z: fold the query into model space once per token
-        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, d)
-        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
-            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
-            ac_c = (
-                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
-                + (q_model @ b)[..., None]
-            )
+        kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [B*N, Ls, 2 H dh]
+        if kv is not None:  # evaluation: projected keys kept (evalkv.py)
+            ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index)
         else:
-            ac_c = retrieved_product(q_model, values, index, "scores")
+            ac_c = self._folded_scores(rw_q, cache.values[layer - cache.first_layer], index)
         ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
         if real_pos is not None:
             bd_c = real_pos.bd(rr_q, self.r_net.weight)  # [B, H, L, C]
@@ -364,15 +366,41 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             seg = cache.seg_len
             prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
         prob_c = prob_c.reshape(B * L, H, C)
+        if kv is not None:
+            mixed = kv_mix(prob_c, kv, index)  # [B*L, H, dh]
+        else:
+            mixed = self._folded_mix(prob_c, cache.values[layer - cache.first_layer], index)
+        out = out + mixed.view(B, L, H, dh)
+        return out.reshape(B, L, H * dh)
+
+    def _folded_scores(self, rw_q: Tensor, values: Tensor, index: Tensor) -> Tensor:
+        """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h],
+        values [B*N, Ls, d], index [B*L, k] -> [B*L, H, k*Ls]."""
+        B, L, H, dh = rw_q.shape
+        w_k = self.qkv_net.weight.view(3, H, dh, self.d_model)[1]
+        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, self.d_model)
+        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
+            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
+            return (
+                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
+                + (q_model @ b)[..., None]
+            )
+        return retrieved_product(q_model, values, index, "scores")
+
+    def _folded_mix(self, prob_c: Tensor, values: Tensor, index: Tensor) -> Tensor:
+        """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls],
+        values [B*N, Ls, d], index [T, k] -> [T, H, d_h]."""
+        H, dh = self.n_head, self.d_head
+        w_v = self.qkv_net.weight.view(3, H, dh, self.d_model)[2]
         if self.pre_lnorm:
+            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
             mix = (
                 retrieved_product(prob_c, values, index, mode="mix", normalize=True, eps=eps) * g
                 + prob_c.sum(-1, keepdim=True) * b
             )
         else:
-            mix = retrieved_product(prob_c, values, index, "mix")  # [B*L, H, d]
-        out = out + torch.einsum("nhd,hed->nhe", mix, w_v).view(B, L, H, dh)
-        return out.reshape(B, L, H * dh)
+            mix = retrieved_product(prob_c, values, index, "mix")  # [T, H, d]
+        return torch.einsum("nhd,hed->nhe", mix, w_v)
 
 
 class RealPositions:
