@@ -270,7 +270,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             real_pos: position terms of retrieved rows for ``cache.pos=real``.
             mem_kv: [B, M, 2 H d_h] keys and values of ``mem`` from :meth:`project_memory`,
                 when computed once for several passes over the same memory (CRTN).
-            kv_out: a list that receives the current segment's keys and values [B, L, 2 H d_h]
+            kv_out: a list that receives the keys and values of [memory; segment], [B, M+L, 2 H d_h]
                 (evaluation keeps them for the next steps, ``evalkv.py``), or None.
 
         Returns:
@@ -287,10 +287,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         w_q, w_kv = self.qkv_net.weight.split([H * dh, 2 * H * dh])
         q = F.linear(x, w_q).view(B, L, H, dh)
         kv = F.linear(x, w_kv)
-        if kv_out is not None:
-            kv_out.append(kv)
         if mem_kv is not None:
             kv = torch.cat([mem_kv, kv], 1)
+        if kv_out is not None:
+            kv_out.append(kv)
         K = kv.shape[1]
         k, v = kv.view(B, K, 2, H, dh).unbind(2)
         r_head_k = self.r_net(pos_emb).view(-1, H, dh)  # [R, H, dh]

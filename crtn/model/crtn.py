@@ -27,7 +27,7 @@ from torch import Tensor
 
 from crtn.model.attention import CacheContext, RealPositions
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.evalkv import append_kv
+from crtn.model.evalkv import keep_last
 from crtn.model.query import QueryInputs, make_query
 from crtn.model.summary import make_summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
@@ -223,9 +223,7 @@ class CRTN(TransformerLM):
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
-        new_mem, new_kv = self._renew(
-            state, hids, seg=seg, L=L, kv=None if kv_out is None else (mem_kv, kv_out)
-        )
+        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out)
         new_state = CRTNState(
             mem=new_mem,
             mem_kv=new_kv,
@@ -335,17 +333,17 @@ class CRTN(TransformerLM):
         *,
         seg: int,
         L: int,
-        kv: tuple[list[Tensor] | None, list[Tensor]] | None = None,
+        kv: list[Tensor] | None = None,
     ) -> tuple[Tensor | None, list[Tensor] | None]:
         """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot.
 
-        ``kv`` (evaluation): the memory's and the segment's projected keys and values per layer;
-        the new slot keeps those of the retrieving layers. Returns the new S and its keys and values.
+        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot
+        keeps those of the retrieving layers. Returns the new S and its keys and values.
         """
         cache = state.cache
         assert cache is not None
         cat, new_mem = self._append(state.mem, hids)
-        cat_kv, new_kv = (None, None) if kv is None else append_kv(kv[0], kv[1], self.mem_len)
+        cat_kv, new_kv = kv, None if kv is None else keep_last(kv, self.mem_len)
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
             r = self.retrieve_from

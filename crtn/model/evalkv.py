@@ -20,23 +20,12 @@ import torch
 from torch import Tensor
 
 
-def append_kv(
-    mem_kv: list[Tensor] | None, seg_kv: list[Tensor], mem_len: int
-) -> tuple[list[Tensor], list[Tensor] | None]:
-    """Keys and values of [S; H_t] per layer, and those of the new memory (the last ``mem_len`` rows).
-
-    Args:
-        mem_kv: per layer [B, M, 2 H d_h], the memory's (None: no memory).
-        seg_kv: per layer [B, L, 2 H d_h], the current segment's.
-        mem_len: m; 0 keeps no memory (returns None).
-
-    Returns:
-        (cat, new): cat per layer [B, M+L, 2 H d_h]; new per layer [B, min(m, M+L), 2 H d_h] or None.
-    """
-    cat = seg_kv if mem_kv is None else [torch.cat([m, s], 1) for m, s in zip(mem_kv, seg_kv)]
+def keep_last(cat_kv: list[Tensor], mem_len: int) -> list[Tensor] | None:
+    """Keys and values of the new memory: the last ``mem_len`` rows of each layer's [S; H_t]
+    keys and values [B, M+L, 2 H d_h] (views, no copy); None when ``mem_len`` is 0."""
     if mem_len <= 0:
-        return cat, None
-    return cat, [c[:, max(0, c.shape[1] - mem_len) :] for c in cat]
+        return None
+    return [c[:, max(0, c.shape[1] - mem_len) :] for c in cat_kv]
 
 
 def _kv_chunks(kv: Tensor, index: Tensor, dtype: torch.dtype) -> Iterator[tuple[int, int, Tensor]]:

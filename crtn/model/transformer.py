@@ -33,7 +33,7 @@ from crtn.model.attention import (
 )
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
-from crtn.model.evalkv import append_kv
+from crtn.model.evalkv import keep_last
 
 
 @dataclass
@@ -276,8 +276,8 @@ class TransformerLM(nn.Module):
             layers: (start, end): run only layers start..end-1 (0-based), default all;
                 ``h`` [B, L, d] is then the input of layer ``start`` (the embedding is not
                 recomputed) unless start is 0.
-            kv_out: a list that receives each layer's keys and values of the segment,
-                [B, L, 2 H d_h] per layer run (evaluation, ``evalkv.py``), or None.
+            kv_out: a list that receives each layer's keys and values of [memory; segment],
+                [B, M+L, 2 H d_h] per layer run (evaluation, ``evalkv.py``), or None.
 
         Returns:
             (hids, out): hids = the states [B, L, d] at the input of layer ``start`` and at the
@@ -396,7 +396,7 @@ class TransformerLM(nn.Module):
         if not update:
             return LMOutput(nll, out, state)
         _, new_mem = self._append(state.mem, hids)
-        new_kv = None if kv_out is None else append_kv(mem_kv, kv_out, self.mem_len)[1]
+        new_kv = None if kv_out is None else keep_last(kv_out, self.mem_len)
         return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L, mem_kv=new_kv))
 
 
