@@ -98,7 +98,7 @@ class CacheContext:
             first token of each retrieved segment (for ``cache.pos=real``), else None.
         first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
             stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
-        kv: [n_kv, B*N, Ls, 2 H d_h] projected keys and values of every slot (evaluation,
+        kv: [n_kv, 2, B*N, H, Ls, d_h] projected keys and values of every slot (evaluation,
             ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
     """
 
@@ -345,7 +345,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         H, dh = self.n_head, self.d_head
         index = cache.index.reshape(B * L, cache.k)
         C = cache.k * cache.seg_len
-        kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [B*N, Ls, 2 H dh]
+        kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [2, B*N, H, Ls, dh]
         if kv is not None:  # evaluation: projected keys kept (evalkv.py)
             ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index)
         else:

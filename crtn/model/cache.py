@@ -125,7 +125,7 @@ class SegmentCache:
         self.scored: Tensor | None = None  # [B, N] tokens that scored the slot since insertion
         self.newest: Tensor | None = None  # [B] slot written last
         # evaluation: projected keys and values W_{k,E} h, W_v h of each slot at the retrieving
-        # layers, [n_kv, B*N, Ls, 2 H d_h], and which slots hold them (inserted at evaluation)
+        # layers, [n_kv, 2, B*N, H, Ls, d_h], and which slots hold them (inserted at evaluation)
         self.kv: Tensor | None = None
         self.kv_fresh: Tensor | None = None  # [B, N] bool
         self.n_insert = 0
@@ -175,7 +175,7 @@ class SegmentCache:
             key: [B, d_key] its key, or None when the summary's key is a view of the
                 top layer (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
-            kv: [n_kv, B, Ls, 2 H d_h] projected keys and values of the states at the retrieving
+            kv: [n_kv, 2, B, H, Ls, d_h] projected keys and values of the states at the retrieving
                 layers (evaluation, :meth:`fresh_kv`), or None (training: the slot has none).
         """
         self.commit()
@@ -225,18 +225,18 @@ class SegmentCache:
     def _write_kv(self, kv: Tensor | None, rows: Tensor, b: Tensor, slot: Tensor) -> None:
         """Store a new slot's projected keys and values (or mark that it has none)."""
         if kv is not None and (self.kv is None or self.kv.shape[0] != kv.shape[0]):
-            n_kv, B, Ls, w = kv.shape
-            self.kv = torch.empty(n_kv, B * self.n_slot, Ls, w, dtype=self.dtype, device=kv.device)
+            n_kv, _, B, *rest = kv.shape
+            self.kv = torch.empty(n_kv, 2, B * self.n_slot, *rest, dtype=self.dtype, device=kv.device)
             self.kv_fresh = torch.zeros(B, self.n_slot, dtype=torch.bool, device=kv.device)
         if self.kv_fresh is None:
             return
         if kv is not None:
             assert self.kv is not None
-            self.kv.index_copy_(1, rows, kv.to(self.dtype))
+            self.kv.index_copy_(2, rows, kv.to(self.dtype))
         self.kv_fresh[b, slot] = kv is not None
 
     def fresh_kv(self) -> Tensor | None:
-        """The projected keys and values of every slot, [n_kv, B*N, Ls, 2 H d_h], when every filled
+        """The projected keys and values of every slot, [n_kv, 2, B*N, H, Ls, d_h], when every filled
         slot has them (all were inserted at evaluation), else None.
 
         They are the projections by the weights of the step that inserted the slot: exact while

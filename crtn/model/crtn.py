@@ -27,7 +27,7 @@ from torch import Tensor
 
 from crtn.model.attention import CacheContext, RealPositions
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.evalkv import keep_last
+from crtn.model.evalkv import keep_last, slot_layout
 from crtn.model.query import QueryInputs, make_query
 from crtn.model.summary import make_summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
@@ -353,7 +353,9 @@ class CRTN(TransformerLM):
             if not self.summary.key_is_view:
                 with torch.no_grad():
                     key = self.summary.key(cat[self.key_layer, :, :over])
-            slot_kv = None if cat_kv is None else torch.stack([c[:, :over] for c in cat_kv[r:]])
+            slot_kv = None
+            if cat_kv is not None:  # [n_kv, 2, B, H, Ls, d_h]
+                slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
             cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
         return new_mem, new_kv
 

@@ -28,15 +28,22 @@ def keep_last(cat_kv: list[Tensor], mem_len: int) -> list[Tensor] | None:
     return [c[:, max(0, c.shape[1] - mem_len) :] for c in cat_kv]
 
 
-def _kv_chunks(kv: Tensor, index: Tensor, dtype: torch.dtype) -> Iterator[tuple[int, int, Tensor]]:
-    """Yield (start, end, rows) with rows [end-start, k*Ls, 2 H d_h] of each token's retrieved slots."""
+def slot_layout(cat_kv: Tensor, rows: int, n_head: int) -> Tensor:
+    """The first ``rows`` rows of one layer's keys and values [B, M+L, 2 H d_h] in the cache's
+    layout, [2, B, H, rows, d_h] (keys, then values; per head, a slot's rows contiguous)."""
+    B, _, w = cat_kv.shape
+    return cat_kv[:, :rows].reshape(B, rows, 2, n_head, w // (2 * n_head)).permute(2, 0, 3, 1, 4)
+
+
+def _chunks(part: Tensor, index: Tensor) -> Iterator[tuple[int, int, Tensor]]:
+    """Yield (start, end, rows): rows [end-start, k, H, Ls, d_h], each token's retrieved slots of
+    ``part`` [B*N, H, Ls, d_h] (keys or values), gathered ~4 MB at a time on CPU (one chunk on GPU)."""
     T, k = index.shape
-    Ls, w = kv.shape[1], kv.shape[2]
-    # CPU: ~4 MB chunks stay in cache; GPU: one chunk
-    chunk = T if kv.is_cuda else max(1, min(T, (1 << 20) // (k * Ls * w)))
+    per_token = k * part[0].numel()
+    chunk = T if part.is_cuda else max(1, min(T, (1 << 20) // per_token))
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        yield s, e, kv.index_select(0, index[s:e].reshape(-1)).view(e - s, k * Ls, w).to(dtype)
+        yield s, e, part.index_select(0, index[s:e].reshape(-1)).view(e - s, k, *part.shape[1:])
 
 
 def kv_scores(q: Tensor, kv: Tensor, index: Tensor) -> Tensor:
@@ -44,18 +51,21 @@ def kv_scores(q: Tensor, kv: Tensor, index: Tensor) -> Tensor:
 
     Args:
         q: [T, H, d_h] the queries plus u, (q_j + u).
-        kv: [B*N, Ls, 2 H d_h] one layer's projected keys and values of every slot.
-        index: [T, k] long, the rows of ``kv`` each token retrieved.
+        kv: [2, B*N, H, Ls, d_h] one layer's projected keys and values of every slot.
+        index: [T, k] long, the slots each token retrieved.
 
     Returns:
-        [T, H, k*Ls], (q_j + u) . W_{k,E} z for every retrieved row z.
+        [T, H, k*Ls], (q_j + u) . W_{k,E} z for every retrieved row z (segment-major).
     """
     T, H, dh = q.shape
-    out = q.new_empty(T, H, index.shape[1] * kv.shape[1])
-    for s, e, z in _kv_chunks(kv, index, q.dtype):
-        keys = z[..., : H * dh].view(e - s, -1, H, dh)
-        out[s:e] = torch.einsum("thd,tchd->thc", q[s:e], keys)
-    return out
+    k, Ls = index.shape[1], kv.shape[3]
+    out = q.new_empty(T, H, k, Ls)
+    for s, e, keys in _chunks(kv[0], index):
+        qs = q[s:e].reshape((e - s) * H, 1, dh)
+        for j in range(k):  # one batched product per retrieved segment: no copy of the rows
+            rows = keys[:, j].to(q.dtype).reshape((e - s) * H, Ls, dh)
+            out[s:e, :, j] = torch.bmm(qs, rows.transpose(1, 2)).view(e - s, H, Ls)
+    return out.view(T, H, k * Ls)
 
 
 def kv_mix(prob: Tensor, kv: Tensor, index: Tensor) -> Tensor:
@@ -69,9 +79,12 @@ def kv_mix(prob: Tensor, kv: Tensor, index: Tensor) -> Tensor:
         [T, H, d_h], sum_r prob_r W_v z_r.
     """
     T, H, _ = prob.shape
-    dh = kv.shape[2] // (2 * H)
-    out = prob.new_empty(T, H, dh)
-    for s, e, z in _kv_chunks(kv, index, prob.dtype):
-        vals = z[..., H * dh :].view(e - s, -1, H, dh)
-        out[s:e] = torch.einsum("thc,tchd->thd", prob[s:e], vals)
-    return out
+    k, Ls, dh = index.shape[1], kv.shape[3], kv.shape[4]
+    out = prob.new_zeros(T * H, 1, dh)
+    p = prob.view(T, H, k, Ls)
+    for s, e, vals in _chunks(kv[1], index):
+        o = out[s * H : e * H]
+        for j in range(k):
+            rows = vals[:, j].to(prob.dtype).reshape((e - s) * H, Ls, dh)
+            o.baddbmm_(p[s:e, :, j].reshape((e - s) * H, 1, Ls), rows)
+    return out.view(T, H, dh)
