@@ -324,6 +324,7 @@ class CRTN(TransformerLM):
             tokens=tokens,
             prev_tokens=prev_tokens,
             prev_states=None if qmem is None else qmem[:, :, -seg:],
+            memory_kv=self._memory_kv_detached if self.query_cfg.detach else self.memory_kv,
         )
 
     def _renew(
@@ -381,6 +382,17 @@ class CRTN(TransformerLM):
         return self.core(tokens, mem, extra_mask=extra_mask, mem_kv=mem_kv, layers=(0, self.key_layer))[0][-1]
 
     @torch.no_grad()
-    def _core_top_detached(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
+    def _core_top_detached(
+        self,
+        tokens: Tensor,
+        mem: Tensor | None,
+        extra_mask: Tensor | None,
+        mem_kv: list[Tensor] | None = None,
+    ) -> Tensor:
         """:meth:`_core_top` without gradient (``query.detach``)."""
-        return self._core_top(tokens, mem, extra_mask)
+        return self._core_top(tokens, mem, extra_mask, mem_kv=mem_kv)
+
+    @torch.no_grad()
+    def _memory_kv_detached(self, mem: Tensor | None) -> list[Tensor] | None:
+        """:meth:`memory_kv` without gradient (``query.detach``)."""
+        return self.memory_kv(mem)
