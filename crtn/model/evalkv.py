@@ -36,14 +36,16 @@ def slot_layout(cat_kv: Tensor, rows: int, n_head: int) -> Tensor:
 
 
 def _chunks(part: Tensor, index: Tensor) -> Iterator[tuple[int, int, Tensor]]:
-    """Yield (start, end, rows): rows [end-start, k, H, Ls, d_h], each token's retrieved slots of
-    ``part`` [B*N, H, Ls, d_h] (keys or values), gathered ~4 MB at a time on CPU (one chunk on GPU)."""
+    """Yield (start, end, rows): rows [k, end-start, H, Ls, d_h], each token's retrieved slots of
+    ``part`` [B*N, H, Ls, d_h] (keys or values), gathered ~4 MB at a time on CPU (one chunk on GPU);
+    segment-major, so that ``rows[j]`` is contiguous."""
     T, k = index.shape
     per_token = k * part[0].numel()
     chunk = T if part.is_cuda else max(1, min(T, (1 << 20) // per_token))
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        yield s, e, part.index_select(0, index[s:e].reshape(-1)).view(e - s, k, *part.shape[1:])
+        rows = part.index_select(0, index[s:e].t().reshape(-1))
+        yield s, e, rows.view(k, e - s, *part.shape[1:])
 
 
 def kv_scores(q: Tensor, kv: Tensor, index: Tensor) -> Tensor:
@@ -63,7 +65,7 @@ def kv_scores(q: Tensor, kv: Tensor, index: Tensor) -> Tensor:
     for s, e, keys in _chunks(kv[0], index):
         qs = q[s:e].reshape((e - s) * H, 1, dh)
         for j in range(k):  # one batched product per retrieved segment: no copy of the rows
-            rows = keys[:, j].to(q.dtype).reshape((e - s) * H, Ls, dh)
+            rows = keys[j].to(q.dtype).view((e - s) * H, Ls, dh)
             out[s:e, :, j] = torch.bmm(qs, rows.transpose(1, 2)).view(e - s, H, Ls)
     return out.view(T, H, k * Ls)
 
@@ -85,6 +87,6 @@ def kv_mix(prob: Tensor, kv: Tensor, index: Tensor) -> Tensor:
     for s, e, vals in _chunks(kv[1], index):
         o = out[s * H : e * H]
         for j in range(k):
-            rows = vals[:, j].to(prob.dtype).reshape((e - s) * H, Ls, dh)
+            rows = vals[j].to(prob.dtype).view((e - s) * H, Ls, dh)
             o.baddbmm_(p[s:e, :, j].reshape((e - s) * H, 1, Ls), rows)
     return out.view(T, H, dh)
