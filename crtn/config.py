@@ -75,6 +75,9 @@ class ModelConfig:
     init_std: float = 0.02
     proj_init_std: float = 0.01
     layer_norm_eps: float = 1e-5
+    # attention without retrieved rows through F.scaled_dot_product_attention, the relative-position
+    # term passed as its additive mask (same results; fused kernels where the backend has them)
+    sdpa: bool = False
 
 
 @dataclass
@@ -182,6 +185,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None  # None: every eval_interval steps
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     amp: bool = False  # bf16 autocast on CUDA
+    compile: bool = False  # torch.compile every decoder layer (inductor; the first steps compile)
     progress: bool = True  # tqdm progress bar
     resume: bool = True  # continue from checkpoints/last.pt of the run directory if present
     tensorboard: bool = False

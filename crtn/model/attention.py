@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from crtn.model.dropout import make_dropout
 from crtn.model.evalkv import kv_mix, kv_scores
+from crtn.model.fused import rel_shift, sdpa_attention
 
 
 class PositionalEmbedding(nn.Module):
@@ -64,20 +65,6 @@ class PositionalEmbedding(nn.Module):
         """Embed distances ``pos`` [...] (any real values) -> [..., d] in ``dtype``."""
         ang = self.angles(pos)
         return torch.cat([ang.sin(), ang.cos()], -1).to(dtype)
-
-
-def rel_shift(x: Tensor) -> Tensor:
-    """Transformer-XL's relative shift of the position scores.
-
-    Input ``x[..., i, c]`` [..., L, K] holds the score of query i against distance
-    ``K-1-c`` (position sequence K-1, ..., 0). Output ``y[..., i, j]`` is the score of
-    query i (at position K-L+i) against key position j, i.e. distance K-L+i-j. Entries
-    with j > K-L+i (future keys) are garbage and must be masked by the caller.
-    """
-    *lead, qlen, klen = x.shape
-    x = F.pad(x, (1, 0))  # [..., L, K+1]
-    x = x.view(*lead, klen + 1, qlen)[..., 1:, :]
-    return x.reshape(*lead, qlen, klen)
 
 
 @dataclass
@@ -211,6 +198,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         pre_lnorm: LayerNorm before attention (on memory and segment) instead of after.
         untie_r: own u, v per layer instead of the model's shared pair.
         locked: locked (variational) dropout on the output instead of elementwise.
+        sdpa: attention without retrieved rows through ``F.scaled_dot_product_attention``
+            (``model.sdpa``): (q + u).k is its product, the position term its additive mask.
     """
 
     def __init__(
@@ -224,9 +213,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         layer_norm_eps: float = 1e-5,
         untie_r: bool = False,
         locked: bool = False,
+        sdpa: bool = False,
     ):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
+        self.sdpa = sdpa
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
@@ -297,6 +288,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
         rw_q = q + r_w_bias  # [B, L, H, dh]
         rr_q = q + r_r_bias
+        if self.sdpa and cache is None:
+            drop = self.dropatt.p if self.training else 0.0
+            attn_vec = sdpa_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=attn_mask, dropout=drop)
+            return self._output(h, attn_vec)
         ac = torch.matmul(rw_q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, L, K]
         bd = torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0))  # [B, H, L, R]
         bd = rel_shift(bd)
@@ -313,6 +308,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                 score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
             )
 
+        return self._output(h, attn_vec)
+
+    def _output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
+        """Output projection, dropout, residual and (post-LN) LayerNorm: attn_vec [B, L, H d_h] -> [B, L, d]."""
         attn_out = self.drop(self.o_net(attn_vec))
         if self.pre_lnorm:
             return h + attn_out
@@ -539,6 +538,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         dropfor: float | None = None,
         dropatt_out: float | None = None,
         locked: bool = False,
+        sdpa: bool = False,
     ):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
@@ -551,6 +551,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             layer_norm_eps=layer_norm_eps,
             untie_r=untie_r,
             locked=locked,
+            sdpa=sdpa,
         )
         self.pos_ff = PositionwiseFF(
             d_model,

@@ -152,6 +152,7 @@ class TransformerLM(nn.Module):
                 dropfor=model.dropfor,
                 dropatt_out=model.dropatt_out,
                 locked=model.locked_dropout,
+                sdpa=model.sdpa,
             )
             for _ in range(model.n_layer)
         )
