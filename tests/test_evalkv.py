@@ -46,7 +46,7 @@ CASES = [
 @pytest.mark.parametrize("overrides", CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
 def test_kept_projections_equal_reprojection(overrides):
     torch.manual_seed(0)
-    kept = tiny_model(V, **overrides)
+    kept = tiny_model(V, **{"cache.eval_kv": True, **overrides})
     plain = copy.deepcopy(kept)
     plain.eval_kv = False
     tokens = torch.randint(0, V, (2, STEPS * kept.tgt_len + 1))
@@ -71,3 +71,14 @@ def test_training_does_not_keep_projections():
         out = model(tokens[:, :L], tokens[:, 1 : L + 1], state)
         state = out.state
     assert state.mem_kv is None and state.cache.kv is None
+
+
+def test_slot_projections_only_with_cache_eval_kv():
+    """By default evaluation keeps the memory's projections but not the slots' (cache.eval_kv)."""
+    model = tiny_model(V, **{"model.name": "crtn"})
+    tokens = torch.randint(0, V, (2, STEPS * model.tgt_len + 1))
+    nll, state = _run(model, tokens, STEPS)
+    assert state.mem_kv is not None and state.cache.kv is None and state.cache.n_insert > 0
+    plain = copy.deepcopy(model)
+    plain.eval_kv = False
+    torch.testing.assert_close(nll, _run(plain, tokens, STEPS)[0], rtol=0, atol=1e-10)

@@ -203,7 +203,8 @@ class CRTN(TransformerLM):
                 update=update,
                 shared=None if lower is None else lower[-1],
             )
-        ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep)
+        keep_slots = keep and self.cache_cfg.eval_kv  # slots' projections too (cache.eval_kv)
+        ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
         if lower is None:
             hids, out = self.core(
                 tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv, kv_out=kv_out
@@ -223,7 +224,7 @@ class CRTN(TransformerLM):
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
-        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out)
+        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out, keep_slots=keep_slots)
         new_state = CRTNState(
             mem=new_mem,
             mem_kv=new_kv,
@@ -335,11 +336,13 @@ class CRTN(TransformerLM):
         seg: int,
         L: int,
         kv: list[Tensor] | None = None,
+        keep_slots: bool = False,
     ) -> tuple[Tensor | None, list[Tensor] | None]:
         """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot.
 
-        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot
-        keeps those of the retrieving layers. Returns the new S and its keys and values.
+        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot keeps
+        those of the retrieving layers when ``keep_slots`` (``cache.eval_kv``). Returns the new S
+        and its keys and values.
         """
         cache = state.cache
         assert cache is not None
@@ -355,7 +358,7 @@ class CRTN(TransformerLM):
                 with torch.no_grad():
                     key = self.summary.key(cat[self.key_layer, :, :over])
             slot_kv = None
-            if cat_kv is not None:  # [n_kv, 2, B, H, Ls, d_h]
+            if cat_kv is not None and keep_slots:  # [n_kv, 2, B, H, Ls, d_h]
                 slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
             cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
         return new_mem, new_kv

@@ -9,7 +9,10 @@ re-projecting the memory (M rows per layer and step) and folding every token's q
 model space for its k L retrieved rows (SPEC §3, "Efficient main pass"): a retrieved row
 then costs d multiply-adds per token and product, not H d.
 
-Training keeps the plain path (the projections change with every update).
+The memory's projections are always kept at evaluation (``TransformerLM.eval_kv``); the slots'
+only with ``cache.eval_kv`` (they take 2 H d_h per row beside the stored states, and on 2 CPU
+cores the gathers, not the products, bound that part of the step). Training keeps the plain
+path (the projections change with every update).
 """
 
 from __future__ import annotations
