@@ -30,12 +30,15 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from crtn.config import APP_SCHEMAS, register_configs
 from crtn.errors import ConfigError, UserError
-from crtn.utils import tune_allocator
+from crtn.rundir import RunDirLocked, lock_run_dir, previous_run
+from crtn.utils import atomic_write, atomic_write_text, tune_allocator
 
 #: Where every app's primary config lives (``conf/`` is installed as the package ``crtn.conf``).
 CONFIG_PATH = "pkg://crtn.conf"
@@ -65,7 +68,8 @@ def report_user_errors(prog: str) -> Iterator[None]:
     try:
         yield
     except UserError as e:
-        logging.getLogger(prog).error("%s", e)
+        if not isinstance(e, RunDirLocked):  # the log file belongs to the run holding the folder
+            logging.getLogger(prog).error("%s", e)
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         if _in_multirun():
             raise
@@ -84,24 +88,37 @@ def write_status(run_dir: Path, state: str, **info: Any) -> None:
     or ``stopped`` (by a signal); ``crtn-report`` uses it to list jobs that did not finish."""
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"state": state, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **info}
-    tmp = run_dir / ".status.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, run_dir / "status.json")
+    atomic_write_text(run_dir / "status.json", json.dumps(record))
 
 
-def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any) -> Any:
+def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any, lock: bool = False) -> Any:
     """Run ``fn(cfg)`` inside a Hydra job, recording ``status.json`` and printing user errors
-    as one line (see :func:`report_user_errors`). Used by crtn-train and crtn-eval."""
+    as one line (see :func:`report_user_errors`). Used by crtn-train and crtn-eval.
+
+    With ``lock`` the run folder is locked first (:func:`crtn.rundir.lock_run_dir`): a second
+    process on the same folder stops there, before writing anything. A user error (a refusal)
+    on a folder that had a ``status.json`` or held a run puts the previous state back: the refused
+    command leaves the run as it found it.
+    """
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     status = (lambda state, **kw: write_status(run_dir, state, **kw)) if main_rank else (lambda *a, **k: None)
+    if lock and main_rank:
+        with report_user_errors(prog):
+            lock_run_dir(run_dir)
+    global _run_started
+    _run_started = False
+    previous = _read_bytes(run_dir / "status.json") if main_rank else None
+    held_run = bool(previous_run(run_dir))
     status("running")
     try:
         with report_user_errors(prog):
             try:
                 result = fn(cfg)
             except BaseException as e:
-                if not isinstance(e, SystemExit):
+                if isinstance(e, UserError) and not _run_started and (previous is not None or held_run):
+                    _put_back(run_dir / "status.json", previous)
+                elif not isinstance(e, SystemExit):
                     status("failed", error=f"{type(e).__name__}: {e}".strip().splitlines()[0])
                 raise
     except SystemExit as e:
@@ -110,6 +127,31 @@ def run_with_status(prog: str, fn: Callable[[Any], Any], cfg: Any) -> Any:
         raise
     status("done")
     return result
+
+
+_run_started = False
+
+
+def mark_run_started() -> None:
+    """Tell :func:`run_with_status` that the task began writing its run: from now on an error marks
+    the run ``failed`` instead of putting the previous ``status.json`` back."""
+    global _run_started
+    _run_started = True
+
+
+def _put_back(path: Path, content: bytes | None) -> None:
+    """``path`` as it was: ``content``, or no file when None."""
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, lambda f: f.write(content))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def unknown_keys(values: dict[str, Any], schema: type, prefix: str = "") -> list[str]:
@@ -147,12 +189,15 @@ def check_keys(cfg: Any, schema: type) -> None:
         raise ConfigError(f"unknown key {found[0]!r} (not in the schema){more}")
 
 
-def run_app(prog: str, config_name: str, task: Callable[[Any], Any], record_status: bool = False) -> None:
+def run_app(
+    prog: str, config_name: str, task: Callable[[Any], Any], record_status: bool = False, lock: bool = False
+) -> None:
     """The entry point of a Hydra app: compose ``conf/<config_name>.yaml`` from the command line,
     check it against its schema (:data:`crtn.config.APP_SCHEMAS`) and run ``task(cfg)``.
 
     User errors print as one line ``PROG: error: ...`` (exit status 2); with ``record_status``
-    the run directory also gets ``status.json`` (:func:`run_with_status`). The Hydra job is named
+    the run directory also gets ``status.json`` and with ``lock`` is locked for the process
+    (:func:`run_with_status`). The Hydra job is named
     after ``task``'s module (``train``, ``evaluate``...), as if ``task`` were the decorated function.
     """
     tune_allocator()
@@ -160,14 +205,56 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], record_stat
     schema = APP_SCHEMAS[config_name]
 
     def checked(cfg: Any) -> Any:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError(f"{missing[0]} is required: give {missing[0]}=...")
         check_keys(cfg, schema)
         return task(cfg)
 
     @functools.wraps(task)
     def job(cfg: Any) -> Any:
         if record_status:
-            return run_with_status(prog, checked, cfg)
+            return run_with_status(prog, checked, cfg, lock=lock)
         with report_user_errors(prog):
             return checked(cfg)
 
-    hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")(job)()
+    with _config_errors_as_one_line(prog):
+        hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")(job)()
+
+
+@contextmanager
+def _config_errors_as_one_line(prog: str) -> Iterator[None]:
+    """Hydra's and OmegaConf's errors about the command line (an unknown key without ``+``, a value
+    of the wrong type, a missing mandatory value, an unknown option) as one line
+    ``PROG: error: ...`` with exit status 2, like a :class:`UserError`; other errors keep their
+    traceback. (Hydra re-raises instead of printing several lines while ``HYDRA_FULL_ERROR`` is set.)"""
+    old = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as e:
+        if old is not None:  # the user asked for the full error
+            raise
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if old is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = old
+
+
+def one_line(e: BaseException) -> str:
+    """The message of ``e`` and of its cause on one line, without OmegaConf's ``full_key:``,
+    ``object_type=`` ... detail lines."""
+    parts: list[str] = []
+    for ex in (e, e.__cause__):
+        if ex is None:
+            continue
+        for line in str(ex).splitlines():
+            line = line.strip().rstrip(".")
+            if line.startswith("Config search path"):
+                break
+            if line and not line.startswith(("full_key:", "reference_type=", "object_type=")):
+                parts.append(line)
+    return "; ".join(dict.fromkeys(parts)) or type(e).__name__

@@ -12,15 +12,19 @@ A checkpoint is a ``torch.save`` dict::
     best_valid, elapsed, tokens_seen
 
 ``crtn-convert`` writes the first five keys only (a model to evaluate, fine-tune or
-sample from). Files are written to a temporary name in the same folder and renamed
-into place, so a run killed mid-write never leaves a truncated checkpoint.
+sample from). Files are written to a temporary name in the same folder, fsynced and renamed
+into place, so a run killed mid-write never leaves a truncated checkpoint; tensors are saved
+as compact copies (never the whole storage a view belongs to). Files are read with
+``torch.load(weights_only=True)``, which unpickles only tensors and plain containers and never
+runs code named by the file.
 """
 
 from __future__ import annotations
 
-import os
+import logging
+import pickle
 import random
-import tempfile
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +34,50 @@ from omegaconf import OmegaConf
 
 from crtn.config import train_config
 from crtn.errors import CheckpointError
+from crtn.utils import atomic_write
+
+log = logging.getLogger("crtn.checkpoint")
 
 FORMAT = "crtn-checkpoint"
 VERSION = 1
 
 
 def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (with ``format``/``version`` added) to ``path`` atomically.
+    """Write ``payload`` (with ``format``/``version`` added) to ``path`` atomically
+    (:func:`crtn.utils.atomic_write`: temporary file, fsync, ``os.replace``), tensors as compact
+    copies (:func:`compact`).
 
     Raises:
-        OSError: the folder cannot be written (the previous file, if any, is untouched).
+        CheckpointError: the file cannot be written (full disk, read-only folder...); the previous
+            file, if any, is untouched and no temporary file is left.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "version": VERSION, **payload}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    payload = compact({"format": FORMAT, "version": VERSION, **payload})
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(payload, f))
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoint {str(path)!r} ({e.strerror or e}); the previous one is kept"
+        ) from None
+
+
+def compact(x: Any) -> Any:
+    """``x`` (nested dicts, lists, tuples) with every tensor that is a view of a larger storage
+    replaced by a copy of its own elements.
+
+    ``torch.save`` writes a tensor's whole storage: a [1, 64] slice of a 1M-token split would
+    write the split (8 MB). Tensors that own their storage are returned as they are.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.untyped_storage().nbytes() > x.numel() * x.element_size() or not x.is_contiguous():
+            return x.clone(memory_format=torch.contiguous_format)
+        return x
+    if isinstance(x, dict):
+        return {k: compact(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(compact(v) for v in x)
+    return x
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -72,9 +93,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # corrupt, truncated, or not a torch file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({first})") from None
+    except Exception as e:  # corrupt, truncated, not a torch file, or a pickle payload
+        raise CheckpointError(unreadable(path, e)) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(
             f"{str(path)!r} is not a crtn checkpoint (convert Transformer-XL weights with crtn-convert)"
@@ -87,6 +107,34 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if key not in ckpt:
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {key!r}")
     return ckpt
+
+
+def _first_line(e: BaseException) -> str:
+    """The first sentence of the first line of ``e``'s message."""
+    text = str(e).strip()
+    return text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+
+
+def unreadable(path: Path, e: BaseException) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed with ``e``, as one line naming the file."""
+    found = re.search(r"GLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+    if found:
+        return (
+            f"checkpoint {str(path)!r} holds pickled Python objects ({found.group(1)}), not only tensors "
+            "and plain values; crtn reads checkpoints with torch.load(weights_only=True) and never runs "
+            "code from a file (there is no opt-in: re-save the weights you trust as a state_dict and "
+            "convert them with crtn-convert)"
+        )
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+    except OSError:
+        zipped = False
+    if zipped:
+        return f"checkpoint {str(path)!r} cannot be read: it is truncated or corrupt ({_first_line(e)})"
+    if isinstance(e, pickle.UnpicklingError):
+        return f"{str(path)!r} is not a torch checkpoint file (it does not unpickle as tensors)"
+    return f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})"
 
 
 def checkpoint_config(ckpt: dict[str, Any]) -> Any:
@@ -147,3 +195,27 @@ def config_mismatch(saved: dict, current: dict, sections: tuple[str, ...]) -> st
         if found:
             return found
     return None
+
+
+def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
+    """Load weights from a crtn checkpoint (e.g. converted Transformer-XL); new parameters stay fresh."""
+    ckpt = load_checkpoint(path)
+    vocab = ckpt.get("vocab")
+    if vocab is not None and list(vocab) != list(corpus.vocab.idx2sym):
+        raise CheckpointError(
+            f"init_from={path!r}: its vocabulary ({len(vocab)} symbols) differs from the corpus' "
+            f"({len(corpus.vocab)}); train on the corpus the weights were made for"
+        )
+    own = model.state_dict()
+    bad = [k for k, v in ckpt["model"].items() if k in own and own[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(
+            f"init_from={path!r}: tensor {bad[0]!r} has shape {tuple(ckpt['model'][bad[0]].shape)}, "
+            f"the model expects {tuple(own[bad[0]].shape)}"
+        )
+    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    if unexpected:
+        raise CheckpointError(f"init_from={path!r}: unknown tensor {unexpected[0]!r} for this model")
+    log.info("init_from %s: loaded %d tensors", path, len(ckpt["model"]))
+    if missing:
+        log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))

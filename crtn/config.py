@@ -124,6 +124,10 @@ class SummaryConfig:
     # of queries and rows to d_key (None: none)
     d_key: int | None = None
     tanh: bool = False  # linear only
+    # token_max: a token and the ngram-1 before it matched against aligned rows (an n-gram
+    # match; 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (4, at most
+    # tgt_len). README, "Retrieval that scales"
+    ngram: int | None = None
 
 
 @dataclass
@@ -191,6 +195,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile every decoder layer (inductor; the first steps compile)
     progress: bool = True  # tqdm progress bar
     resume: bool = True  # continue from checkpoints/last.pt of the run directory if present
+    # resume=false on a run directory that holds a run: refused unless overwrite=true (deletes it)
+    overwrite: bool = False
+    # resume although train.* keys that shape the run (max_step, eval_interval...) changed
+    allow_change: bool = False
     tensorboard: bool = False
 
 

@@ -95,12 +95,13 @@ class DistributedContext:
         tdist.all_reduce(t)
         return t / self.world_size
 
-    def gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank, in rank order (a collective: all ranks must call it)."""
+    def gather(self, obj: Any) -> list[Any] | None:
+        """``obj`` of every rank, in rank order, on rank 0; None on the other ranks (a collective:
+        all ranks must call it). Only rank 0 writes checkpoints, so only it receives the streams."""
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(out, obj)
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        tdist.gather_object(obj, out, dst=0)
         return out
 
     def any(self, flag: bool) -> bool:

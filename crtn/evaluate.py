@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,9 @@ from crtn.app import resolve_device, run_app
 from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.config import metric_name, uses_cache, validate_eval
 from crtn.data import load_corpus
-from crtn.errors import UserError
+from crtn.errors import CheckpointError, UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
+from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ def metric_value(loss: float, level: str) -> float:
     return math.exp(min(loss, 700.0))
 
 
+class EvaluationStopped(Exception):
+    """An evaluation abandoned because its ``stop`` callback asked for it."""
+
+
 @torch.no_grad()
 def evaluate(
     model: TransformerLM,
@@ -86,6 +91,7 @@ def evaluate(
     max_step: int | None = None,
     progress: bool = False,
     per_token: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on a split of ``corpus`` with the model's current lengths.
 
@@ -97,6 +103,7 @@ def evaluate(
         max_step: evaluate only the first ``max_step`` segments (None: all).
         per_token: also return ``nll_tokens`` / ``target_tokens`` (CPU tensors, stream order
             per row) for analyses such as frequency buckets.
+        stop: asked before each segment; True abandons it (raises EvaluationStopped).
 
     Returns:
         metrics dict (see module docstring); the model is left in eval mode.
@@ -119,6 +126,8 @@ def evaluate(
     for batch in it.iterate(0):
         if batch.index >= n_seg:
             break
+        if stop is not None and stop():  # (training's validations show no bar to close)
+            raise EvaluationStopped(f"evaluation of {split!r} stopped at segment {batch.index}")
         batch = batch.to(device)
         out = model(batch.input, batch.target, state)
         state = out.state
@@ -166,7 +175,7 @@ class _RecallSums:
         self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
         self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
         # repeat tokens: source in memory, cached, retrieved; all
-        self.where = torch.zeros(4, dtype=torch.float64, device=device)
+        self.where = torch.zeros(5, dtype=torch.float64, device=device)
 
     def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
         label = batch.label
@@ -204,10 +213,11 @@ class _RecallSums:
                     entry["source_ppl"] = math.exp(src[m].double().mean().item())
             result[k] = entry
         if self.gap_all is not None and self.where[3] > 0:
-            mem, cached, hit, n = self.where.tolist()
+            mem, cached, hit, n, chain = self.where.tolist()
             result["repeat"]["source_in_memory"] = mem / n
             result["repeat"]["source_in_cache"] = cached / n
             result["repeat"]["source_retrieved"] = hit / n
+            result["repeat"]["copy_retrieved"] = chain / n
         return result
 
 
@@ -239,9 +249,12 @@ def _source_location(
 ) -> torch.Tensor:
     """Where the token that each repeated target copies lies, for the passage-recall corpus.
 
-    Returns [4] counts over ``repeat`` targets: source within the memory or current
+    Returns [5] counts over ``repeat`` targets: source within the memory or current
     segment (reachable without retrieval), source in a cached slot, source in one of the
-    token's retrieved slots, and all repeat targets. Positions are per-stream (SPEC §4).
+    token's retrieved slots, all repeat targets, and targets for which a retrieved slot
+    holds the source *or an earlier copy of the same text* (the source's own source, and
+    so on: a passage copied from a copy appears twice in a large cache, and either
+    occurrence lets the model copy). Positions are per-stream (SPEC §4).
     """
     L = batch.input.shape[1]
     t0 = batch.index * model.tgt_len
@@ -259,10 +272,21 @@ def _source_location(
         pos = t0 - out.selection.age  # [B, L, k]
         hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
         counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
+        chain_hit = hit.clone()
+        for _ in range(_COPY_CHAIN):  # follow the copy chain back: src - gap[src]
+            g = gap_all[(row_base + src.clamp(min=0)).clamp(max=gap_all.numel() - 1)].long()
+            src = torch.where((g > 0) & (src >= 0), src - g, torch.full_like(src, -1))
+            chain_hit |= (src >= 0) & ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+        chain = (chain_hit & repeat).sum()
     else:
         counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
-    counts.append(repeat.sum())
+        chain = torch.zeros((), device=repeat.device, dtype=torch.long)
+    counts += [repeat.sum(), chain]
     return torch.stack(counts).double()
+
+
+#: earlier copies followed back from a copied token's source (``copy_retrieved``)
+_COPY_CHAIN = 8
 
 
 def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -283,6 +307,8 @@ def format_metrics(m: dict[str, Any]) -> str:
         if e and "ppl" in e:
             src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
             hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
+            if "copy_retrieved" in e:
+                hit += f" (a copy {e['copy_retrieved']:.2f})"
             parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
     return " | ".join(parts)
 
@@ -309,11 +335,30 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
     return ckpt, train_cfg
 
 
+def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
+    """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
+
+    Raises:
+        CheckpointError: names the checkpoint and the corpus folder or file.
+    """
+    saved = ckpt.get("vocab")
+    if saved is None or list(saved) == list(corpus.vocab.idx2sym):
+        return
+    files = corpus.info.get("files") or []
+    where = repr(str(Path(files[0]).parent)) if files else f"data.name={corpus.name}"
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with another vocabulary ({len(saved)} symbols) than the "
+        f"corpus of {where} ({len(corpus.vocab)}); point data.root/data.dir/data.path "
+        "at the corpus it was trained on"
+    )
+
+
 def run_eval(cfg: Any) -> dict[str, Any]:
     """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
     ckpt, train_cfg = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
     corpus = load_corpus(train_cfg.data)
+    check_vocab(ckpt, corpus, cfg.checkpoint)
     model = build_model(train_cfg, len(corpus.vocab)).to(device)
     model.load_state_dict(ckpt["model"])
     batch_size = cfg.eval.batch_size or train_cfg.data.eval_batch_size
@@ -334,7 +379,7 @@ def run_eval(cfg: Any) -> dict[str, Any]:
             print(format_metrics(m), flush=True)
             results[split] = _jsonable(m)
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
-    out.write_text(json.dumps(results, indent=2))
+    atomic_write_text(out, json.dumps(results, indent=2))
     log.info("wrote %s", out)
     return results
 

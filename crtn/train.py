@@ -11,7 +11,10 @@ config), ``train.log``, ``metrics.jsonl`` (one JSON record per log or evaluation
 Checkpoints hold the model, optimizer, scheduler, step, data position, the memory and
 cache of every training stream, RNG states and the config, so a run that is killed
 continues exactly where its last checkpoint left it (``crtn-train ... hydra.run.dir=DIR``
-on the same directory; bit-identical losses on CPU). A non-finite loss stops the run
+on the same directory; bit-identical losses on CPU). A resume refuses a changed config
+(``train.allow_change=true`` lets ``train.max_step`` and the like change); ``train.resume=false``
+on a folder holding a run refuses unless ``train.overwrite=true``; a second ``crtn-train`` on a
+folder in use refuses (a lock, :mod:`crtn.rundir`). A non-finite loss stops the run
 before anything is saved, so the last good checkpoint stays.
 
 Training follows the Transformer-XL recipes (SPEC §5): Adam, linear warm-up then
@@ -33,14 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
-from crtn.app import resolve_device, run_app
+from crtn.app import mark_run_started, resolve_device, run_app
 from crtn.config import uses_cache, validate_train
 from crtn.distributed import DistributedContext
+from crtn.errors import ConfigError
 from crtn.evaluate import format_metrics
+from crtn.rundir import claim_run_dir
 from crtn.trainer import Trainer, TrainingDiverged, lr_factor
+from crtn.utils import atomic_write_text
 
-__all__ = ["TrainingDiverged", "Trainer", "lr_factor", "main", "run_training"]
+__all__ = ["TrainingDiverged", "Trainer", "lr_factor", "main", "run_training", "train_in"]
 
 log = logging.getLogger("crtn.train")
 
@@ -52,21 +59,56 @@ def _set_seed(seed: int) -> None:
 
 
 def run_training(cfg: Any) -> dict[str, Any]:
-    """Train a model as configured; returns the contents of ``results.json``.
+    """Train a model as configured in the Hydra run directory; returns ``results.json``'s contents.
 
     Raises:
         UserError: bad config, data or checkpoint (printed as one line by the CLI).
         TrainingDiverged: a non-finite training loss.
     """
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:  # a sweep may pair model=txl with cache settings on purpose
+        check_unused_overrides(cfg, list(hc.overrides.task))
+    return train_in(cfg, Path(hc.runtime.output_dir))
+
+
+def check_unused_overrides(cfg: Any, overrides: list[str]) -> None:
+    """Refuse ``cache.*``, ``query`` or ``summary`` settings given on the command line of a single run
+    whose model keeps no cache (``model=txl cache.n_slot=4``): they would be ignored silently.
+
+    Raises:
+        ConfigError: names the first such override and the model.
+    """
+    if uses_cache(cfg.model):
+        return
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in ("cache", "query", "summary"):
+            raise ConfigError(
+                f"{item} has no effect: model={cfg.model.name} keeps no cache (use model=crtn, or drop it)"
+            )
+
+
+def train_in(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """Train a model as configured, writing into ``run_dir`` (:func:`run_training` without Hydra).
+
+    Raises:
+        UserError: bad config, data or checkpoint; ``train.resume=false`` on a folder holding a run
+            without ``train.overwrite=true`` (:func:`crtn.rundir.claim_run_dir`).
+        TrainingDiverged: a non-finite training loss.
+        SystemExit: 130 after SIGINT/SIGTERM (``last.pt`` saved).
+    """
     validate_train(cfg)
     dist = DistributedContext.from_env(cfg.train.device)
     if not dist.is_main:  # rank 0 logs, evaluates and writes; the others only train
         logging.getLogger().setLevel(logging.WARNING)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir, resume=cfg.train.resume, overwrite=cfg.train.overwrite)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     _set_seed(cfg.seed)
     trainer = Trainer(cfg, dist=dist, device=device, run_dir=run_dir)
     trainer.start()
+    mark_run_started()
     stopped_by = trainer.fit()
     trainer.save_last()
     if stopped_by and stopped_by.startswith("signal"):
@@ -85,7 +127,7 @@ def run_training(cfg: Any) -> dict[str, Any]:
         return {}
     final = trainer.final_evaluation()
     results = _results(cfg, trainer, final, stopped_by)
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    atomic_write_text(run_dir / "results.json", json.dumps(results, indent=2))
     print(f"final {format_metrics(final['valid'])}", flush=True)
     print(f"final {format_metrics(final['test'])}", flush=True)
     print(
@@ -127,7 +169,7 @@ def _results(cfg: Any, trainer: Trainer, final: dict[str, Any], stopped_by: str 
 
 def main() -> None:
     """Console entry point of ``crtn-train`` (config ``conf/train.yaml``)."""
-    run_app("crtn-train", "train", run_training, record_status=True)
+    run_app("crtn-train", "train", run_training, record_status=True, lock=True)
 
 
 if __name__ == "__main__":

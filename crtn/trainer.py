@@ -32,19 +32,42 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from crtn.checkpoint import config_mismatch, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from crtn.checkpoint import (
+    config_mismatch,
+    init_from,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from crtn.config import dependency_range, metric_name, uses_cache
 from crtn.data import load_corpus
 from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
-from crtn.evaluate import eval_lengths, evaluate, format_metrics, metric_value
+from crtn.evaluate import EvaluationStopped, eval_lengths, evaluate, format_metrics, metric_value
 from crtn.model import build_model
 from crtn.model.fused import compile_layers
+from crtn.utils import atomic_write_text
 
 log = logging.getLogger("crtn.train")
 
 # config sections that must match when a run resumes from its checkpoint
 RESUME_SECTIONS = ("model", "data", "cache", "query", "summary", "optim", "seed")
+# train.* keys a resume may change freely (they do not change the losses or the chosen weights);
+# a change of any other (max_step reshapes the schedule...) needs train.allow_change=true.
+# batch_chunk has a check of its own.
+FREE_TRAIN_KEYS = (
+    "device",
+    "progress",
+    "tensorboard",
+    "max_time",
+    "resume",
+    "overwrite",
+    "allow_change",
+    "log_interval",
+    "checkpoint_interval",
+    "batch_chunk",
+)
 
 
 class TrainingDiverged(UserError):
@@ -108,13 +131,18 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop records after ``max_step`` (they are re-done after a resume)."""
+    """Drop records after ``max_step`` (they are re-done after a resume), and a last record torn by
+    a kill in the middle of its append."""
     if not path.exists():
         return
-    keep = [
-        line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= max_step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                keep.append(line)
+        except ValueError:  # empty or torn
+            continue
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def _cpu(x: Any) -> Any:
@@ -124,30 +152,6 @@ def _cpu(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _cpu(v) for k, v in x.items()}
     return x
-
-
-def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
-    """Load weights from a crtn checkpoint (e.g. converted Transformer-XL); new parameters stay fresh."""
-    ckpt = load_checkpoint(path)
-    vocab = ckpt.get("vocab")
-    if vocab is not None and list(vocab) != list(corpus.vocab.idx2sym):
-        raise CheckpointError(
-            f"init_from={path!r}: its vocabulary ({len(vocab)} symbols) differs from the corpus' "
-            f"({len(corpus.vocab)}); train on the corpus the weights were made for"
-        )
-    own = model.state_dict()
-    bad = [k for k, v in ckpt["model"].items() if k in own and own[k].shape != v.shape]
-    if bad:
-        raise CheckpointError(
-            f"init_from={path!r}: tensor {bad[0]!r} has shape {tuple(ckpt['model'][bad[0]].shape)}, "
-            f"the model expects {tuple(own[bad[0]].shape)}"
-        )
-    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    if unexpected:
-        raise CheckpointError(f"init_from={path!r}: unknown tensor {unexpected[0]!r} for this model")
-    log.info("init_from %s: loaded %d tensors", path, len(ckpt["model"]))
-    if missing:
-        log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))
 
 
 def _tensorboard(run_dir: Path):
@@ -183,6 +187,8 @@ class Trainer:
         self.states: list[Any] = []
         self.best_metrics: dict[str, Any] | None = None
         self.last_validated = -1
+        self.validate_pending = False  # a validation was stopped by a signal: redo it on resume
+        self.stop = _Stop()
         self.tb = None
         self.amp = (
             torch.autocast(device.type, dtype=torch.bfloat16)
@@ -260,6 +266,7 @@ class Trainer:
                 f"cannot resume from {str(self.last)!r}: the config changed ({diff}); "
                 "use a new run directory or the saved config"
             )
+        self._check_train_changes(ckpt["config"].get("train") or {})
         n_states = len(ckpt.get("states") or [])
         if (
             "optimizer" not in ckpt
@@ -284,8 +291,32 @@ class Trainer:
         self.states = [
             self.model.load_state(sd, self.chunk_bs, self.device) for sd in ckpt["states"][self.dist.rank]
         ]
+        if "loss_sums" in ckpt:  # the training loss since the last log record (all ranks)
+            self.loss_sum = ckpt["loss_sums"][self.dist.rank].to(self.device).clone()
+            self.loss_n = ckpt["loss_n"]
+        self.validate_pending = bool(ckpt.get("validate_pending", False))
         set_rng_state(ckpt["rng"])
         log.info("resumed from %s at step %d (epoch %d)", self.last, self.step, self.progress.epoch)
+
+    def _check_train_changes(self, saved: dict[str, Any]) -> None:
+        """Refuse a resume whose ``train.*`` differs from the checkpoint's in a key that shapes the
+        run (not in :data:`FREE_TRAIN_KEYS`), unless ``train.allow_change=true``; then log it."""
+        current = self.config_dict["train"]
+        keep = [k for k in sorted(set(saved) | set(current)) if k not in FREE_TRAIN_KEYS]
+        diff = config_mismatch(
+            {"train": {k: saved.get(k) for k in keep}},
+            {"train": {k: current.get(k) for k in keep}},
+            ("train",),
+        )
+        if diff is None:
+            return
+        if not self.cfg.train.allow_change:
+            raise CheckpointError(
+                f"cannot resume from {str(self.last)!r}: {diff} differs from the checkpoint's, which "
+                "changes the run (e.g. the learning-rate schedule); pass train.allow_change=true to "
+                "resume with the new values, or resume with the saved ones"
+            )
+        log.warning("resuming with changed training settings (train.allow_change=true): %s", diff)
 
     def _log_setup(self) -> None:
         cfg = self.cfg
@@ -310,10 +341,14 @@ class Trainer:
             )
 
     def checkpoint(self, with_states: bool = True) -> dict[str, Any]:
-        """The checkpoint payload; ``with_states`` gathers every rank's streams (a collective)."""
-        all_states = None
+        """The checkpoint payload; ``with_states`` gathers every rank's streams and running loss sum
+        on rank 0 (a collective; the other ranks' payloads have none)."""
+        all_states = loss_sums = None
         if with_states:
-            all_states = self.dist.gather([_cpu(st.state_dict()) for st in self.states])
+            own = ([_cpu(st.state_dict()) for st in self.states], self.loss_sum.detach().cpu().clone())
+            gathered = self.dist.gather(own)
+            if gathered is not None:
+                all_states, loss_sums = [g[0] for g in gathered], [g[1] for g in gathered]
         p = self.progress
         return {
             "config": self.config_dict,
@@ -330,6 +365,9 @@ class Trainer:
             "elapsed": p.elapsed,
             "tokens_seen": p.tokens_seen,
             "n_params": self.n_params,
+            "loss_sums": loss_sums,
+            "loss_n": self.loss_n,
+            "validate_pending": self.validate_pending,
         }
 
     def save_last(self) -> None:
@@ -353,7 +391,7 @@ class Trainer:
     def fit(self) -> str | None:
         """Train until ``train.max_step``, ``train.max_time`` or a signal; returns what stopped the
         loop early (None: it reached ``train.max_step``)."""
-        cfg, stop = self.cfg, _Stop()
+        cfg, stop = self.cfg, self.stop
         ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
         self.t_start = time.perf_counter() - self.progress.elapsed
         self.tokens_window, self.t_window = 0, time.perf_counter()
@@ -362,6 +400,8 @@ class Trainer:
         batches = self.train_it.iterate(self.progress.batch_index)
         with ExitStack() as stack:
             _catch_signals(stop, stack)
+            if self.validate_pending and self.dist.is_main:  # stopped by a signal before: redo it
+                self.validate()
             if show:
                 stack.enter_context(logging_redirect_tqdm())
             bar = stack.enter_context(
@@ -486,26 +526,42 @@ class Trainer:
         self.tokens_window, self.t_window = 0, time.perf_counter()
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, split: str, max_step: int | None) -> dict[str, Any]:
-        """Metrics of the current weights on ``split`` (eval-time lengths of ``cfg.eval``)."""
-        with eval_lengths(self.model, self.cfg.eval):
-            m = evaluate(
-                self.model,
-                self.corpus,
-                split,
-                batch_size=self.eval_bs,
-                device=self.device,
-                max_step=max_step,
-                progress=False,
-            )
-        self.model.train()
+    def evaluate(self, split: str, max_step: int | None, stoppable: bool = False) -> dict[str, Any]:
+        """Metrics of the current weights on ``split`` (eval-time lengths of ``cfg.eval``).
+
+        Raises:
+            EvaluationStopped: ``stoppable`` and SIGINT/SIGTERM arrived meanwhile.
+        """
+        try:
+            with eval_lengths(self.model, self.cfg.eval):
+                m = evaluate(
+                    self.model,
+                    self.corpus,
+                    split,
+                    batch_size=self.eval_bs,
+                    device=self.device,
+                    max_step=max_step,
+                    progress=False,
+                    stop=(lambda: self.stop.signal is not None) if stoppable else None,
+                )
+        finally:
+            self.model.train()
         return m
 
     def validate(self) -> None:
-        """Evaluate on valid, record it, and save ``best.pt`` when it improves (rank 0)."""
+        """Evaluate on valid, record it, and save ``best.pt`` when it improves (rank 0).
+
+        A signal during it abandons it (``validate_pending``: the checkpoint about to be written
+        redoes it on resume, so that the resumed run equals an uninterrupted one)."""
         p, mname = self.progress, self.mname
         t_eval = time.perf_counter()
-        m = self.evaluate("valid", self.cfg.train.eval_max_step)
+        self.validate_pending = True
+        try:
+            m = self.evaluate("valid", self.cfg.train.eval_max_step, stoppable=True)
+        except EvaluationStopped as e:
+            log.warning("%s by a signal; it is redone when the run resumes", e)
+            return
+        self.validate_pending = False
         p.elapsed = time.perf_counter() - self.t_start
         rec = {"step": p.step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": p.elapsed}
         for k in ("repeat", "fresh"):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -37,3 +42,39 @@ def tune_allocator() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1 and ok
     return ok
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any], mode: int | None = 0o666) -> None:
+    """Write ``path`` all at once or not at all: ``write(f)`` fills a temporary file in the same folder,
+    which is flushed, fsynced and renamed over ``path`` (``os.replace``). A process killed at any point
+    leaves either the old file or the new one, never a torn one; on an error (e.g. ``ENOSPC``) the
+    temporary file is removed and the old file is untouched.
+
+    Args:
+        mode: permission bits of the new file before the umask (``tempfile`` creates 0600); None: keep.
+
+    Raises:
+        OSError: the folder cannot be written, the disk is full...
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, mode & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """:func:`atomic_write` of a UTF-8 text."""
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))

@@ -46,3 +46,19 @@ def _deterministic():
     torch.manual_seed(0)
     torch.set_num_threads(1)
     yield
+
+
+def _listing(root: Path) -> set[tuple[str, int, int]]:
+    return {(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_data_untouched():
+    """The suite never writes into the real corpora (no ``.crtn-cache`` there, no file changed):
+    their listing after the session equals the one before."""
+    path = _shared_data()
+    before = _listing(path) if path is not None and path.is_dir() else None
+    yield
+    if before is not None:
+        changed = sorted({name for name, *_ in before ^ _listing(path)})
+        assert not changed, f"the tests wrote into {path}: {changed[:5]}"

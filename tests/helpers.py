@@ -98,3 +98,42 @@ def cli(
         timeout=timeout,
         **kw,
     )
+
+
+def compose_train(overrides: list[str]):
+    """``crtn-train``'s config as its command line composes it from ``overrides`` (no Hydra run)."""
+    from hydra import compose, initialize_config_module
+
+    from crtn.config import register_configs
+
+    register_configs()
+    with initialize_config_module("crtn.conf", version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def run_main(main: Any, prog: str, args: list[str], capfd: Any) -> tuple[int, str, str]:
+    """Run a console entry point (``crtn.train.main``...) in this process with ``sys.argv`` =
+    ``[prog, *args]``; returns (exit status, stdout, stderr) captured at the file descriptors."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    argv = sys.argv
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    capfd.readouterr()
+    code = 0
+    sys.argv = [prog, *args]
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        GlobalHydra.instance().clear()
+        for h in list(root.handlers):  # Hydra's handlers of this run (its log file...)
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+    out, err = capfd.readouterr()
+    return code, out, err

@@ -228,6 +228,31 @@ def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
     return (q @ key) / math.sqrt(q.shape[0])
 
 
+def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
+    """token_max with ``summary.ngram`` w: max over rows r of (1/w) sum_{a<w} <q_{j-a}, row_{r-a}>
+    / sqrt(d_key), one term at a time. ``qs``: the queries of R_prev then R_cur ([L] each, j
+    indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms)."""
+    w, L = summary.ngram, len(qs) // 2
+    Ls, d = rows.shape
+    best = None
+    for r in range(Ls):
+        total = torch.zeros((), dtype=rows.dtype)
+        for a in range(w):
+            q = qs[L + j - a]
+            if r - a >= 0:
+                row = rows[r - a]
+            elif lead is not None:
+                row = lead[Ls + r - a]
+            else:
+                continue
+            if summary.proj_q is not None:
+                q, row = summary.proj_q.weight @ q, summary.proj_k.weight @ row
+            total = total + q @ row
+        s = total / w / math.sqrt(summary.d_key)
+        best = s if best is None or s > best else best
+    return best
+
+
 @dataclass
 class Slot:
     states: Tensor  # [n+1, Ls, d]
@@ -315,11 +340,14 @@ class NaiveCRTN:
         if qc.detach:
             r_cur = r_cur.detach()
         strategy = m.query.strategy
+        if m.summary.ngram > 1:  # R_prev's rows too: the window reaches back into X_{t-1}
+            r_prev = self.row.r_prev if self.row.r_prev is not None else torch.zeros_like(r_cur)
+            r_cur = torch.cat([r_prev, r_cur], 0)
         if strategy == "token":
-            return [r_cur[j] for j in range(self.L)]
+            return [r_cur[j] for j in range(r_cur.shape[0])]
         if strategy == "single_linear":
             proj = m.query.proj
-            qs = [proj.weight @ r_cur[j] + proj.bias for j in range(self.L)]
+            qs = [proj.weight @ r_cur[j] + proj.bias for j in range(r_cur.shape[0])]
         else:
             wins, rows = self._windows(tokens, r_cur, qmem, t0)
             qs = [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
@@ -364,6 +392,13 @@ class NaiveCRTN:
                 raise AssertionError(strategy)
         return wins, rows
 
+    def _lead(self, slot: Slot) -> Tensor | None:
+        """Key rows of the cached segment just before ``slot`` (stream position pos - Ls), if any."""
+        for other in self.row.slots:
+            if other.pos == slot.pos - slot.key.shape[0]:
+                return other.key
+        return None
+
     def step(self, tokens: Tensor, target: Tensor, t0: int):
         m, L, st = self.m, self.L, self.row
         c = m.cache_cfg
@@ -387,7 +422,13 @@ class NaiveCRTN:
             retrieved = []
             k = min(m.top_k, len(st.slots))
             for j in range(L):
-                s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots]) * c.theta
+                if m.summary.ngram > 1:
+                    s = torch.stack(
+                        [naive_ngram_score(m.summary, queries, j, sl.key, self._lead(sl)) for sl in st.slots]
+                    )
+                else:
+                    s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
+                s = s * c.theta
                 top = sorted(range(len(st.slots)), key=lambda i: -float(s[i].detach()))[:k]
                 alpha = naive_alpha(s, top, c.alpha_norm)
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first

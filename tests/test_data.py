@@ -266,26 +266,35 @@ def test_char_corpus_too_short_for_standard_split(tmp_path):
 
 
 # ====================================================================== caching
-def test_cache_location_rules(tmp_path, monkeypatch, shared_data):
+def test_cache_location_rules(tmp_path, monkeypatch):
+    """A writable corpus folder gets ``.crtn-cache`` inside it; a read-only one (made so here, by its
+    permission bits, which crtn honours even as root) gets a folder per corpus path under
+    ``XDG_CACHE_HOME/crtn``; an explicit ``data.cache_dir`` wins."""
     xdg = tmp_path / "xdg"
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
     writable = tmp_path / "w"
     writable.mkdir()
     assert cache_dir_for(writable, None) == writable / ".crtn-cache"
     assert cache_dir_for(writable, str(tmp_path / "explicit")) == tmp_path / "explicit"
-    readonly = tmp_path / "ro"
-    readonly.mkdir()
-    readonly.chmod(0o555)
+    # two read-only corpora, copies of a tiny one: their caches go to XDG_CACHE_HOME, one per path
+    root = _tiny_ptb(tmp_path / "ro")
+    other = root / "wikitext-2"
+    other.mkdir()
+    for f in (root / "penn").iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    folders = [root / "penn", other]
+    for d in folders:
+        d.chmod(0o555)
     try:
-        got = cache_dir_for(readonly, None)
-        assert got.parent == xdg / "crtn" and got.is_dir()
-        assert not (readonly / ".crtn-cache").exists()  # even as root
+        a, b = (cache_dir_for(d, None) for d in folders)
+        assert a.parent == b.parent == xdg / "crtn" and a != b and a.is_dir() and b.is_dir()
+        assert not any((d / ".crtn-cache").exists() for d in folders)  # even as root
+        # what a real load does with it: the encoded corpus is cached outside the folder
+        c = load_corpus(data_cfg(name="ptb", root=str(root)))
+        assert Path(c.info["cache_dir"]) == a and not (root / "penn" / ".crtn-cache").exists()
     finally:
-        readonly.chmod(0o755)
-    # the shared corpora are read-only: their cache goes to XDG_CACHE_HOME, a folder per corpus path
-    a, b = cache_dir_for(shared_data / "penn", None), cache_dir_for(shared_data / "wikitext-2", None)
-    assert a.parent == b.parent == xdg / "crtn" and a != b
-    assert not (shared_data / "penn" / ".crtn-cache").exists()
+        for d in folders:
+            d.chmod(0o755)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(DataError, match="data.cache_dir"):

@@ -1,6 +1,7 @@
-"""The package's layout rules: no import cycle in crtn/; in the application layer (everything but
-crtn/model/) no import inside a function except of optional dependencies, no module over 600
-lines, no function over 80 lines, and keywords where a call passes more than four arguments."""
+"""The package's layout rules: no import cycle in crtn/; in every module of crtn/ (crtn/model/
+included) no import inside a function except of optional dependencies, no module over 600
+lines, no function over 80 lines, and keywords where a call passes more than four arguments
+(CONTRIBUTING.md lists the exceptions below and why)."""
 
 from __future__ import annotations
 

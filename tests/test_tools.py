@@ -29,6 +29,7 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
         [
             *TINY_RUN,
             "data.synthetic.repeat_skip=1",
+            "cache.n_slot=12",  # 96 tokens: a copy's source and the source's own source (gaps 24-40)
             "train.max_step=40",
             "train.eval_interval=40",
             f"hydra.run.dir={run}",
@@ -44,6 +45,7 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
         assert correct == round(valid["acc"] * n)
         assert hits == round(valid["source_retrieved"] * n)
     assert 0 < hits < n  # both outcomes occur, so the comparison says something
+    assert t["copy hits"] == round(valid["copy_retrieved"] * n) > hits  # earlier copies are found too
     ok_hit = sum(ok for ok, _ in t["alpha"].values())
     ok_miss, n_miss = t["misses"]["all"]
     assert n_miss == n - hits and ok_hit + ok_miss == correct
@@ -53,7 +55,8 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
 
 def test_recall_diagnosis_rejects_txl(tmp_path):
     run = tmp_path / "run"
-    p = cli("crtn.train", [*TINY_RUN, "model=txl", "train.max_step=2", f"hydra.run.dir={run}"], tmp_path)
+    txl = [a for a in TINY_RUN if not a.startswith("cache.")]  # txl has no cache: no cache.* settings
+    p = cli("crtn.train", [*txl, "model=txl", "train.max_step=2", f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stderr
     with pytest.raises(SystemExit, match="needs a crtn model"):
         _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)

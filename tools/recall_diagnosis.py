@@ -55,7 +55,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     labels, gaps = corpus.labels[split].long(), corpus.repeat_gap[split].long()
     skip = corpus.info.get("repeat_skip", 0)
     n = it.stream_len
-    cols: dict[str, list[Tensor]] = {k: [] for k in ("label", "gap", "j", "hit", "ok", "alpha")}
+    cols: dict[str, list[Tensor]] = {k: [] for k in ("label", "gap", "j", "hit", "ok", "alpha", "chain")}
     state = None
     with torch.no_grad():
         for batch in it:
@@ -74,8 +74,19 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
                 start = t0 - out.selection.age  # [B, T, k] first stream position of each selected slot
                 inside = (start <= src[..., None]) & (src[..., None] < start + L)  # a slot holds L positions
                 hit, alpha = inside.any(-1), (out.selection.alpha * inside).sum(-1)
+            chain = hit.clone()  # the source or an earlier copy of it in a selected slot
+            if out.selection is not None:
+                for b, t in zip(*torch.nonzero(~hit, as_tuple=True), strict=True):
+                    p, starts = int(src[b, t]), [int(s) for s in start[b, t]]
+                    for _ in range(8):  # crtn-eval follows the chain 8 copies back
+                        if p < 0 or int(gaps[b * n + p]) == 0:
+                            break
+                        p -= int(gaps[b * n + p])
+                        if p >= 0 and any(s <= p < s + L for s in starts):
+                            chain[b, t] = True
+                            break
             m = lab > skip
-            for k, v in zip(cols, (lab, gap, j, hit, ok, alpha), strict=True):
+            for k, v in zip(cols, (lab, gap, j, hit, ok, alpha, chain), strict=True):
                 cols[k].append(v[m])
     c = {k: torch.cat(v) for k, v in cols.items()}
     hit, ok = c["hit"], c["ok"]
@@ -92,7 +103,8 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     }
     abin = (c["alpha"][hit] * 5).long().clamp(max=4)
     by_alpha = {b: [int(ok[hit][abin == b].sum()), int((abin == b).sum())] for b in range(5)}
-    return {**tables, "alpha": by_alpha, "misses": {"all": [int(ok[~hit].sum()), int((~hit).sum())]}}
+    misses = {"all": [int(ok[~hit].sum()), int((~hit).sum())]}
+    return {**tables, "alpha": by_alpha, "misses": misses, "copy hits": int(c["chain"].sum())}
 
 
 def main() -> None:

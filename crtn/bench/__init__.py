@@ -45,14 +45,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from crtn.bench.cases import SMOKE, Case, Sizes, Stepper, model_cfg, size_overrides
 from crtn.bench.sections import SCALING_PAIRS, SECTIONS
 from crtn.config import STRATEGIES
-from crtn.utils import tune_allocator
+from crtn.utils import atomic_write_text, tune_allocator
 
 __all__ = [
     "SECTIONS",
@@ -177,9 +177,17 @@ def run(sizes: Sizes, device: torch.device, only: list[str], amp: bool, log: Cal
     return res
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line ``crtn-bench: error: ...`` (no usage lines), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see crtn-bench --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``crtn-bench``."""
-    p = argparse.ArgumentParser(prog="crtn-bench", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="crtn-bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--smoke", action="store_true", help="tiny sizes: a few seconds, every ratio still printed"
     )
@@ -203,9 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in only if x not in SECTIONS]
     if bad:
         p.error(f"--only: unknown section {bad[0]!r}; choose from {', '.join(SECTIONS)}")
-    device = torch.device(a.device)
+    for flag, value in (("--batch", a.batch), ("--rounds", a.rounds)):
+        if value is not None and value <= 0:
+            p.error(f"{flag} {value}: must be > 0")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        p.error(f"--device {a.device}: not a device (cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+        p.error(f"--device {a.device}: CUDA is not available")
+    out = Path(a.out)
+    try:  # before minutes of timing, not after
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {a.out}: cannot be created ({e.strerror or e})")
     sizes = copy.deepcopy(SMOKE if a.smoke else Sizes())
     if a.batch:
         sizes.batch = a.batch
@@ -223,11 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     res = run(sizes, device, only=only, amp=a.amp, log=log)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(res, indent=2))
+    atomic_write_text(out / "bench.json", json.dumps(res, indent=2))
     md = markdown(res)
-    (out / "bench.md").write_text(md + "\n")
+    atomic_write_text(out / "bench.md", md + "\n")
     print(md)
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
     return 0

@@ -47,6 +47,8 @@ def read_release(path: Path, trust_pickle: bool = False) -> Source:
         if not isinstance(e, pickle.UnpicklingError) or "Weights only load failed" not in str(e):
             raise ConversionError(f"{str(path)!r} cannot be read as a torch file ({first_line(e)})") from None
         classes = _unsafe_globals(path, e)
+        if not classes:  # no class or function named: not a pickle of Python objects at all
+            raise ConversionError(f"{str(path)!r} is not a torch file (it does not unpickle)") from None
         if not trust_pickle:
             what = ", ".join(classes[:3]) or "Python objects"
             raise ConversionError(

@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from crtn.data.base import SPLITS, Corpus
 from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 from crtn.errors import ConfigError, DataError
+from crtn.utils import atomic_write
 
 #: Standard corpus folder of each data set (``data.dir`` when it is None).
 DEFAULT_DIRS = {
@@ -267,17 +267,11 @@ def cache_dir_for(corpus_dir: Path, cache_dir: str | None) -> Path | None:
 
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Write ``path`` through a temporary file in its folder and ``os.replace``; no leftovers on error."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, write, mode=None)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class _CacheFiles:
@@ -300,8 +294,11 @@ class _CacheFiles:
             meta = json.loads(self.meta.read_text(encoding="utf-8"))
             vocab = Vocab.load(self.vocab)
             arrays = {s: np.load(self.splits[s], allow_pickle=False) for s in SPLITS}
+            vocab_bytes = self.vocab.read_bytes()
         except (OSError, ValueError, KeyError):
             return None
+        if meta.get("vocab_sha256", _sha256(vocab_bytes)) != _sha256(vocab_bytes):
+            return None  # a vocabulary file from elsewhere (another corpus, a partial copy)
         for s in SPLITS:
             a = arrays[s]
             if a.ndim != 1 or len(a) != meta["tokens"][s] or (len(a) and a.max() >= len(vocab)):
@@ -318,7 +315,8 @@ class _CacheFiles:
             for s in SPLITS:
                 _atomic_write(self.splits[s], lambda f, a=arrays[s]: np.save(f, a, allow_pickle=False))
                 written.append(self.splits[s])
-            meta_bytes = json.dumps({**meta, "key": self.key_data}, indent=1).encode("utf-8")
+            meta = {**meta, "key": self.key_data, "vocab_sha256": _sha256(data)}
+            meta_bytes = json.dumps(meta, indent=1).encode("utf-8")
             _atomic_write(self.meta, lambda f: f.write(meta_bytes))
         except BaseException:
             for p in written:
@@ -336,22 +334,44 @@ def _load_cached(plan: _Plan, cache_dir: str | None) -> Corpus:
     hit = files.load()  # fast path: a complete cache needs no lock
     status = "loaded"
     if hit is None:
-        with FileLock(str(files.lock)):
-            hit = files.load()  # another process may have built it while we waited
-            if hit is None:
-                vocab, arrays, meta = _build(plan)
-                files.save(vocab, arrays, meta)
-                hit, status = (vocab, arrays, meta), "built"
+        fresh = not any(folder.iterdir())
+        try:
+            with FileLock(str(files.lock)):
+                hit = files.load()  # another process may have built it while we waited
+                if hit is None:
+                    vocab, arrays, meta = _build(plan)
+                    _save_cache(files, vocab, arrays, meta)
+                    hit, status = (vocab, arrays, meta), "built"
+        except BaseException:  # a bad corpus or a full disk leaves no trace in the cache folder
+            with contextlib.suppress(OSError):
+                files.lock.unlink()
+                if fresh:
+                    folder.rmdir()
+            raise
     vocab, arrays, meta = hit
     return _make_corpus(
         plan, vocab, arrays=arrays, meta=meta, extra={"cache": status, "cache_dir": str(folder)}
     )
 
 
+def _save_cache(files: _CacheFiles, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    try:
+        files.save(vocab, arrays, meta)
+    except OSError as e:
+        raise DataError(
+            f"cannot write the corpus cache in {str(files.folder)!r} ({e.strerror or e}); free space "
+            "there or set data.cache_dir to another folder"
+        ) from None
+
+
 def _make_corpus(plan: _Plan, vocab: Vocab, arrays: dict[str, np.ndarray], meta: dict, extra: dict) -> Corpus:
     splits = {s: torch.from_numpy(np.asarray(arrays[s], dtype=np.int64)) for s in SPLITS}
     counts = torch.bincount(splits["train"], minlength=len(vocab))
-    info = {**{k: v for k, v in meta.items() if k != "key"}, **extra, "files": [str(f) for f in plan.files]}
+    info = {
+        **{k: v for k, v in meta.items() if k not in ("key", "vocab_sha256")},
+        **extra,
+        "files": [str(f) for f in plan.files],
+    }
     return Corpus(
         name=plan.name,
         vocab=vocab,

@@ -153,6 +153,12 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
         )
     if summary.d_key is not None and summary.d_key <= 0:
         raise ConfigError(f"summary.d_key={summary.d_key} must be > 0")
+    ngram = getattr(summary, "ngram", None)
+    if ngram is not None and ngram != 1:
+        if not SUMMARIES[summary.name].row_keys:
+            raise ConfigError(f"summary.ngram={ngram} applies to summary=token_max only, not {summary.name}")
+    if ngram is not None and not 1 <= ngram <= model.tgt_len:
+        raise ConfigError(f"summary.ngram={ngram} must be in 1..model.tgt_len ({model.tgt_len})")
     if query.tanh and not STRATEGIES[query.strategy].learned:
         learned = "|".join(q for q, cls in STRATEGIES.items() if cls.learned)
         raise ConfigError(

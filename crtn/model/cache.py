@@ -149,13 +149,40 @@ class SegmentCache:
         return self.values[layer].view(self.batch_size, self.n_slot, self.seg_len, -1)
 
     def valid_keys(self) -> Tensor:
-        """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max)."""
+        """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max;
+        [B, n_valid, w-1+Ls, d] with ``summary.ngram`` w > 1, see :meth:`_lead_in`)."""
         assert self.values is not None
         nv = self.n_valid
         if self.summary.key_is_view:
-            return self.summary.key(self.layer_values(self.key_layer % self.values.shape[0])[:, :nv])
+            top = self.layer_values(self.key_layer % self.values.shape[0])[:, :nv]
+            keys = self.summary.key(top)
+            if self.summary.ngram > 1:
+                keys = torch.cat([self._lead_in(top, self.summary.ngram - 1), keys], 2)
+            return keys
         assert self.keys is not None
         return self.keys[:, :nv]
+
+    def _lead_in(self, top: Tensor, n: int) -> Tensor:
+        """The n rows before each filled slot: the last n rows of the slot whose segment
+        ends where this one starts (stream position pos - Ls), zeros where no slot does.
+
+        Args:
+            top: [B, n_valid, Ls, d] key-layer states of the filled slots.
+            n: rows wanted (<= Ls).
+
+        Returns:
+            [B, n_valid, n, d].
+        """
+        assert self.pos is not None
+        B, nv, Ls, _ = top.shape
+        pos = self.pos[:, :nv]
+        sorted_pos, order = pos.sort(1)
+        want = pos - Ls
+        i = torch.searchsorted(sorted_pos, want).clamp(max=nv - 1)
+        found = sorted_pos.gather(1, i) == want  # [B, nv]
+        pred = order.gather(1, i)
+        lead = top[torch.arange(B, device=top.device)[:, None], pred, Ls - n :]  # [B, nv, n, d]
+        return lead * found[:, :, None, None].to(lead.dtype)
 
     def newest_states(self) -> Tensor:
         """States of the slot written last in each row (segment X_{t-1} when mem_len=0): [n+1, B, Ls, d]."""

@@ -100,10 +100,13 @@ class CRTN(TransformerLM):
             d_key=summary.d_key,
             tanh=summary.tanh,
             n_head=model.n_head,
+            ngram=summary.ngram,
         )
         self.query = make_query(
             query.strategy, model.tgt_len, d_model=model.d_model, d_key=self.summary.d_query, tanh=query.tanh
         )
+        # R_prev is kept for the strategies that read it and for token_max's n-gram lead-in
+        self.needs_r_prev = self.query.needs_r_prev or self.summary.ngram > 1
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
@@ -194,7 +197,7 @@ class CRTN(TransformerLM):
         if r > 0:  # the layers below the first retrieving one: shared by query and main pass
             lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r), kv_out=kv_out)[0]
         r_cur, selection = None, None
-        if cache.n_valid > 0 or self.query.needs_r_prev:
+        if cache.n_valid > 0 or self.needs_r_prev:
             r_cur, selection = self._retrieve(
                 tokens,
                 state,
@@ -313,7 +316,7 @@ class CRTN(TransformerLM):
         B = tokens.shape[0]
         qs = self.query
         r_prev = state.r_prev
-        if r_prev is None and qs.needs_r_prev:
+        if r_prev is None and self.needs_r_prev:
             r_prev = torch.zeros(B, seg, self.d_model, dtype=self.dtype, device=tokens.device)
         prev_tokens = state.prev_tokens
         if prev_tokens is None and qs.needs_prev_tokens:

@@ -279,8 +279,8 @@ class Token(QueryStrategy):
     strategy, kind = "token", TOKEN
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        assert x.r_cur is not None
-        return x.r_cur
+        """R_cur [B, L, d]; with ``summary.ngram`` w > 1 the last w-1 rows of R_prev in front."""
+        return _with_lead_in(summary, x)
 
 
 class SingleLinear(QueryStrategy):
@@ -297,9 +297,18 @@ class SingleLinear(QueryStrategy):
         self.proj = nn.Linear(d_model, d_key)
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        assert x.r_cur is not None
-        q = self.proj(x.r_cur)
+        q = self.proj(_with_lead_in(summary, x))
         return torch.tanh(q) if self.tanh else q
+
+
+def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
+    """R_cur [B, L, d], or [R_prev[-(w-1):]; R_cur] [B, w-1+L, d] for a ``summary.ngram`` w > 1."""
+    assert x.r_cur is not None
+    w = summary.ngram
+    if w == 1:
+        return x.r_cur
+    assert x.r_prev is not None
+    return torch.cat([x.r_prev[:, x.r_prev.shape[1] - (w - 1) :].to(x.r_cur.dtype), x.r_cur], 1)
 
 
 #: every query strategy by its config name, in SPEC §3 order

@@ -63,6 +63,7 @@ class Summary(nn.Module):
     key_is_view: bool = False
     row_keys: bool = False
     length_bound: bool = False
+    ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -284,6 +285,10 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
     return (seg_len * width + 2 * conv_padding(d_model, n_head) - width) // seg_len + 1
 
 
+#: token_max's n-gram length when ``summary.ngram`` is None (README, "Retrieval that scales")
+DEFAULT_NGRAM = 4
+
+
 class TokenMax(Summary):
     """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d_key).
 
@@ -293,14 +298,37 @@ class TokenMax(Summary):
     the tokens before it). Rows are views of the cached states, so P_k is applied when
     scoring and trains like P_q (a learned retrieval space; issue 11). Without ``d_key`` the
     score is the plain dot product.
+
+    With ``ngram`` w > 1 (``summary.ngram``) a token matches a row together with the w - 1
+    tokens before each, aligned (an n-gram match instead of a single-state match):
+
+        score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-a}> / sqrt(d_key)
+
+    where q_{j-a} for j - a < 0 is a row of the previous segment's R (R_prev) and row_{r-a}
+    for r - a < 0 a row of the slot holding the segment just before (zero where there is
+    none: the first segment, or a predecessor evicted or never cached). The caller passes
+    them in front: queries [B, w-1+L, d] and rows [B, n, w-1+Ls, d]. On the passage-recall
+    corpus a top-layer state mostly encodes its own token, so a single-state match confuses
+    the copy source with every earlier use of the token, and more so the larger the cache;
+    w aligned tokens make a chance match rare (README, "Retrieval that scales").
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
 
     def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+        self,
+        seg_len: int,
+        d_model: int,
+        d_key: int | None = None,
+        tanh: bool = False,
+        n_head: int = 1,
+        ngram: int | None = None,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+        ngram = min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram
+        if not 1 <= ngram <= seg_len:
+            raise ValueError(f"summary.ngram={ngram} must be in 1..{seg_len} (tgt_len)")
+        self.ngram = ngram
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -322,10 +350,16 @@ class TokenMax(Summary):
         return self.proj_q(query), self.proj_k(keys)
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
+        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, w-1+Ls, d] (w = ngram)."""
         query, keys = self._map(query, keys)
-        B, N, Ls, d = keys.shape
-        rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2))  # [B, L, N*Ls]
-        return rows.view(B, -1, N, Ls).amax(-1) * (1.0 / math.sqrt(self.d_key))
+        B, N, Lk, d = keys.shape
+        rows = torch.bmm(query, keys.reshape(B, N * Lk, d).transpose(1, 2)).view(B, -1, N, Lk)
+        w = self.ngram
+        if w > 1:  # sum the w aligned diagonals: query j-a against row r-a
+            Lq, Ls = rows.shape[1] - w + 1, Lk - w + 1
+            rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
+            rows = rows * (1.0 / w)
+        return rows.amax(-1) * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
@@ -339,13 +373,24 @@ SUMMARIES: dict[str, type[Summary]] = {
 
 
 def make_summary(
-    name: str, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
+    name: str,
+    seg_len: int,
+    d_model: int,
+    d_key: int | None = None,
+    tanh: bool = False,
+    n_head: int = 1,
+    ngram: int | None = None,
 ) -> Summary:
-    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels.
+    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels;
+    ``ngram``: token_max's aligned tokens per score (None: :data:`DEFAULT_NGRAM`, at most seg_len).
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or ``ngram`` other than 1 for a summary other than token_max.
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
+    if name == TokenMax.name:
+        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, ngram=ngram)
+    if ngram not in (None, 1):
+        raise ValueError(f"summary.ngram={ngram} applies to summary=token_max only, not {name}")
     return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
