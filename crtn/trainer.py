@@ -46,6 +46,7 @@ from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, eval_lengths, evaluate, format_metrics, metric_value
 from crtn.model import build_model
+from crtn.model.fused import compile_layers
 from crtn.utils import atomic_write_text
 
 log = logging.getLogger("crtn.train")
@@ -228,6 +229,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         if cfg.init_from:
             init_from(self.model, cfg.init_from, self.corpus)
+        if cfg.train.compile:
+            compile_layers(self.model)
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
         )

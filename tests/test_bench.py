@@ -14,9 +14,16 @@ def test_smoke_benchmark_reports_all_sections_and_targets(tmp_path, capsys):
     md = (tmp_path / "bench.md").read_text()
     for section in ("strategies", "range", "scaling", "retrieval", "main_pass"):
         assert section in res
-    # 1. txl plus every query strategy, training and evaluation
+    # 1. txl plus every query strategy, training and evaluation; token also with last_state keys
+    # and with cache.layers=1; every row says what it measures
     names = [r["config"] for r in res["strategies"]["train"]]
-    assert names[0].startswith("txl") and len(names) == 1 + len(STRATEGIES)
+    assert names[0].startswith("txl") and len(names) == 3 + len(STRATEGIES)
+    assert {"crtn(token/token_max)", "crtn(token/last_state)", "crtn(token/token_max, layers=1)"} <= set(
+        names
+    )
+    assert all(r["measures"] for r in res["strategies"]["train"] + res["range"]["rows"])
+    limits = {t["target"]: t["limit"] for t in res["targets"]}
+    assert limits["crtn(token/token_max) train step / txl"] == 1.8
     assert all(r["time_ratio_vs_ref"] > 0 and r["tokens_per_s"] > 0 for r in res["strategies"]["train"])
     # 2-4. ratios present and positive
     assert all(r["speedup_vs_txl_same_range"] > 0 for r in res["range"]["rows"][1:])

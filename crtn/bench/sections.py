@@ -32,25 +32,57 @@ from crtn.config import default_summary
 from crtn.model import SegmentCache
 from crtn.model.summary import make_summary
 
-#: (``last_l`` with ``identity``): chosen pairings, not the strategies' defaults.
+#: pairings of the N-scaling rows: ``token`` with one key per slot (``last_state``; the
+#: default ``token_max`` scores every row of every slot, B L N L d, and grows with N), and
+#: ``last_l`` with ``identity`` (d_key = L d); chosen pairings, not the strategies' defaults.
 SCALING_PAIRS = (("token", "last_state"), ("last_l", "identity"))
 
 
+def strategy_cases(s: Sizes) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, what the row measures, config overrides) of the crtn rows of the strategies section.
+
+    Every strategy with its default summary (``token``: ``token_max``, the default model), plus
+    ``token`` with ``last_state`` keys (one key per slot: the cheap scoring that the N-scaling
+    rows measure) and the default with retrieval in the top layer only (``cache.layers=1``).
+    """
+    out = []
+    for q in s.strategies:
+        summ = default_summary(q)
+        pair = {"query.strategy": q, "summary.name": summ}
+        what = "default pairing" if q == "token" else f"strategy {q} with its default summary"
+        out.append((f"crtn({q}/{summ})", what, pair))
+        if q == "token":
+            out.append(
+                (
+                    "crtn(token/last_state)",
+                    "one key per slot (not the default): scoring B L N d",
+                    {"query.strategy": q, "summary.name": "last_state"},
+                )
+            )
+            out.append(
+                (
+                    f"crtn(token/{summ}, layers=1)",
+                    "default pairing, retrieval in the top layer only (cache.layers=1)",
+                    {**pair, "cache.layers": 1},
+                )
+            )
+    return out
+
+
 def bench_strategies(s: Sizes, device: torch.device, stepper: Stepper, log: Callable) -> dict[str, Any]:
-    """crtn (every strategy, default summary) against txl(mem_len=L), training and evaluation."""
+    """crtn (:func:`strategy_cases`) against txl(mem_len=L), training and evaluation."""
     L = s.tgt_len
     out: dict[str, Any] = {}
     for mode in ("train", "eval"):
-        cases = [
-            make_case(f"txl(mem_len={L})", model_cfg(s, "txl", L), s, device=device, train=mode == "train")
-        ]
-        for q in s.strategies:
-            summ = default_summary(q)
-            cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
-            cases.append(make_case(f"crtn({q}/{summ})", cfg, s, device=device, train=mode == "train"))
+        train = mode == "train"
+        cases = [make_case(f"txl(mem_len={L})", model_cfg(s, "txl", L), s, device=device, train=train)]
+        what = {cases[0].name: f"Transformer-XL, memory {L} (the reference)"}
+        for name, measures, kw in strategy_cases(s):
+            cases.append(make_case(name, model_cfg(s, "crtn", L, **kw), s, device=device, train=train))
+            what[name] = f"{measures}; n_slot={s.n_slot}, top_k={s.top_k}"
         log(f"strategies/{mode}: timing {len(cases)} configurations")
-        time_cases(cases, stepper, s, device=device, memory=s.memory and mode == "train")
-        out[mode] = [row(c, cases[0]) for c in cases]
+        time_cases(cases, stepper, s, device=device, memory=s.memory and train)
+        out[mode] = [{**row(c, cases[0]), "measures": what[c.name]} for c in cases]
         free(cases)
     return out
 
@@ -67,7 +99,9 @@ def bench_range(s: Sizes, device: torch.device, stepper: Stepper, log: Callable)
     log(f"range: txl(mem_len={long_mem}) against crtn(n_slot={N})")
     time_cases(cases, stepper, s, device=device, memory=s.memory)
     rows = [row(c, cases[0]) for c in cases]
+    rows[0]["measures"] = f"Transformer-XL whose memory covers crtn's range, m + N L = {long_mem}"
     for r, c in zip(rows[1:], cases[1:]):
+        r["measures"] = f"default summary, mem_len={L}, n_slot={N}, top_k={s.top_k}"
         r["speedup_vs_txl_same_range"] = tokens_per_s(c) / tokens_per_s(cases[0])
     free(cases)
     return {"range_tokens": long_mem, "rows": rows}

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crtn.model.dropout import make_dropout
+from crtn.model.evalkv import kv_mix, kv_scores
+from crtn.model.fused import rel_shift, sdpa_attention
 
 
 class PositionalEmbedding(nn.Module):
@@ -65,20 +67,6 @@ class PositionalEmbedding(nn.Module):
         return torch.cat([ang.sin(), ang.cos()], -1).to(dtype)
 
 
-def rel_shift(x: Tensor) -> Tensor:
-    """Transformer-XL's relative shift of the position scores.
-
-    Input ``x[..., i, c]`` [..., L, K] holds the score of query i against distance
-    ``K-1-c`` (position sequence K-1, ..., 0). Output ``y[..., i, j]`` is the score of
-    query i (at position K-L+i) against key position j, i.e. distance K-L+i-j. Entries
-    with j > K-L+i (future keys) are garbage and must be masked by the caller.
-    """
-    *lead, qlen, klen = x.shape
-    x = F.pad(x, (1, 0))  # [..., L, K+1]
-    x = x.view(*lead, klen + 1, qlen)[..., 1:, :]
-    return x.reshape(*lead, qlen, klen)
-
-
 @dataclass
 class CacheContext:
     """The segments retrieved for each token of the current segment (SPEC §3 steps 2-3).
@@ -97,6 +85,8 @@ class CacheContext:
             first token of each retrieved segment (for ``cache.pos=real``), else None.
         first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
             stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
+        kv: [n_kv, 2, B*N, H, Ls, d_h] projected keys and values of every slot (evaluation,
+            ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
     """
 
     values: Tensor
@@ -105,6 +95,7 @@ class CacheContext:
     weighted: bool
     age: Tensor | None = None
     first_layer: int = 0
+    kv: Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -207,6 +198,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         pre_lnorm: LayerNorm before attention (on memory and segment) instead of after.
         untie_r: own u, v per layer instead of the model's shared pair.
         locked: locked (variational) dropout on the output instead of elementwise.
+        sdpa: attention without retrieved rows through ``F.scaled_dot_product_attention``
+            (``model.sdpa``): (q + u).k is its product, the position term its additive mask.
     """
 
     def __init__(
@@ -220,9 +213,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         layer_norm_eps: float = 1e-5,
         untie_r: bool = False,
         locked: bool = False,
+        sdpa: bool = False,
     ):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
+        self.sdpa = sdpa
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
@@ -248,6 +243,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         layer: int = 0,
         real_pos: RealPositions | None = None,
         mem_kv: Tensor | None = None,
+        kv_out: list[Tensor] | None = None,
     ) -> Tensor:
         """One attention sub-layer (residual and LayerNorm included).
 
@@ -265,6 +261,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             real_pos: position terms of retrieved rows for ``cache.pos=real``.
             mem_kv: [B, M, 2 H d_h] keys and values of ``mem`` from :meth:`project_memory`,
                 when computed once for several passes over the same memory (CRTN).
+            kv_out: a list that receives the keys and values of [memory; segment], [B, M+L, 2 H d_h]
+                (evaluation keeps them for the next steps, ``evalkv.py``), or None.
 
         Returns:
             [B, L, d] the sub-layer output.
@@ -282,12 +280,18 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         kv = F.linear(x, w_kv)
         if mem_kv is not None:
             kv = torch.cat([mem_kv, kv], 1)
+        if kv_out is not None:
+            kv_out.append(kv)
         K = kv.shape[1]
         k, v = kv.view(B, K, 2, H, dh).unbind(2)
         r_head_k = self.r_net(pos_emb).view(-1, H, dh)  # [R, H, dh]
 
         rw_q = q + r_w_bias  # [B, L, H, dh]
         rr_q = q + r_r_bias
+        if self.sdpa and cache is None:
+            drop = self.dropatt.p if self.training else 0.0
+            attn_vec = sdpa_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=attn_mask, dropout=drop)
+            return self._output(h, attn_vec)
         ac = torch.matmul(rw_q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, L, K]
         bd = torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0))  # [B, H, L, R]
         bd = rel_shift(bd)
@@ -304,6 +308,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                 score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
             )
 
+        return self._output(h, attn_vec)
+
+    def _output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
+        """Output projection, dropout, residual and (post-LN) LayerNorm: attn_vec [B, L, H d_h] -> [B, L, d]."""
         attn_out = self.drop(self.o_net(attn_vec))
         if self.pre_lnorm:
             return h + attn_out
@@ -333,21 +341,14 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """
         rw_q, rr_q = q
         B, L = rw_q.shape[:2]
-        H, dh, d = self.n_head, self.d_head, self.d_model
-        w_q, w_k, w_v = self.qkv_net.weight.view(3, H, dh, d).unbind(0)
-        values = cache.values[layer - cache.first_layer]  # [B*N, Ls, d]
+        H, dh = self.n_head, self.d_head
         index = cache.index.reshape(B * L, cache.k)
         C = cache.k * cache.seg_len
-        # content term (q_j + u).W_{k,E} z: fold the query into model space once per token
-        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, d)
-        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
-            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
-            ac_c = (
-                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
-                + (q_model @ b)[..., None]
-            )
+        kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [2, B*N, H, Ls, dh]
+        if kv is not None:  # evaluation: projected keys kept (evalkv.py)
+            ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index)
         else:
-            ac_c = retrieved_product(q_model, values, index, "scores")
+            ac_c = self._folded_scores(rw_q, cache.values[layer - cache.first_layer], index)
         ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
         if real_pos is not None:
             bd_c = real_pos.bd(rr_q, self.r_net.weight)  # [B, H, L, C]
@@ -364,15 +365,41 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             seg = cache.seg_len
             prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
         prob_c = prob_c.reshape(B * L, H, C)
+        if kv is not None:
+            mixed = kv_mix(prob_c, kv, index)  # [B*L, H, dh]
+        else:
+            mixed = self._folded_mix(prob_c, cache.values[layer - cache.first_layer], index)
+        out = out + mixed.view(B, L, H, dh)
+        return out.reshape(B, L, H * dh)
+
+    def _folded_scores(self, rw_q: Tensor, values: Tensor, index: Tensor) -> Tensor:
+        """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h],
+        values [B*N, Ls, d], index [B*L, k] -> [B*L, H, k*Ls]."""
+        B, L, H, dh = rw_q.shape
+        w_k = self.qkv_net.weight.view(3, H, dh, self.d_model)[1]
+        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, self.d_model)
+        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
+            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
+            return (
+                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
+                + (q_model @ b)[..., None]
+            )
+        return retrieved_product(q_model, values, index, "scores")
+
+    def _folded_mix(self, prob_c: Tensor, values: Tensor, index: Tensor) -> Tensor:
+        """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls],
+        values [B*N, Ls, d], index [T, k] -> [T, H, d_h]."""
+        H, dh = self.n_head, self.d_head
+        w_v = self.qkv_net.weight.view(3, H, dh, self.d_model)[2]
         if self.pre_lnorm:
+            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
             mix = (
                 retrieved_product(prob_c, values, index, mode="mix", normalize=True, eps=eps) * g
                 + prob_c.sum(-1, keepdim=True) * b
             )
         else:
-            mix = retrieved_product(prob_c, values, index, "mix")  # [B*L, H, d]
-        out = out + torch.einsum("nhd,hed->nhe", mix, w_v).view(B, L, H, dh)
-        return out.reshape(B, L, H * dh)
+            mix = retrieved_product(prob_c, values, index, "mix")  # [T, H, d]
+        return torch.einsum("nhd,hed->nhe", mix, w_v)
 
 
 class RealPositions:
@@ -511,6 +538,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         dropfor: float | None = None,
         dropatt_out: float | None = None,
         locked: bool = False,
+        sdpa: bool = False,
     ):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
@@ -523,6 +551,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             layer_norm_eps=layer_norm_eps,
             untie_r=untie_r,
             locked=locked,
+            sdpa=sdpa,
         )
         self.pos_ff = PositionwiseFF(
             d_model,

@@ -124,6 +124,10 @@ class SegmentCache:
         self.usage: Tensor | None = None  # [B, N] tokens that selected the slot since insertion
         self.scored: Tensor | None = None  # [B, N] tokens that scored the slot since insertion
         self.newest: Tensor | None = None  # [B] slot written last
+        # evaluation: projected keys and values W_{k,E} h, W_v h of each slot at the retrieving
+        # layers, [n_kv, 2, B*N, H, Ls, d_h], and which slots hold them (inserted at evaluation)
+        self.kv: Tensor | None = None
+        self.kv_fresh: Tensor | None = None  # [B, N] bool
         self.n_insert = 0
         self._faiss: _FaissRows | None = None
         self._pending: tuple | None = None
@@ -186,7 +190,7 @@ class SegmentCache:
         rows = torch.arange(self.batch_size, device=self.values.device) * self.n_slot + self.newest
         return self.values.index_select(1, rows)
 
-    def insert(self, states: Tensor, key: Tensor | None, pos: int) -> None:
+    def insert(self, states: Tensor, key: Tensor | None, pos: int, kv: Tensor | None = None) -> None:
         """Stage one new segment per row; it enters the cache at the next :meth:`commit`.
 
         Renewal writes the ring buffer in place. Deferring the write to the start of
@@ -198,15 +202,17 @@ class SegmentCache:
             key: [B, d_key] its key, or None when the summary's key is a view of the
                 top layer (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
+            kv: [n_kv, 2, B, H, Ls, d_h] projected keys and values of the states at the retrieving
+                layers (evaluation, :meth:`fresh_kv`), or None (training: the slot has none).
         """
         self.commit()
-        self._pending = (states, key, pos)
+        self._pending = (states, key, pos, kv)
 
     def commit(self) -> None:
         """Write the staged segment (if any) into its slot: FIFO or least-used replacement."""
         if self._pending is None:
             return
-        states, key, pos = self._pending
+        states, key, pos, kv = self._pending
         self._pending = None
         n_layers, B, Ls, d = states.shape
         dev = states.device
@@ -236,11 +242,36 @@ class SegmentCache:
         self.usage[b, slot] = 0
         self.scored[b, slot] = 0
         self.newest = slot
+        self._write_kv(kv, rows, b, slot)
         self.n_insert += 1
         if self.backend == "faiss":
             if self._faiss is None:
                 self._faiss = _FaissRows(B, self.n_slot, self.faiss_opts)
             self._faiss.add(self._flat_keys(b, slot))
+
+    def _write_kv(self, kv: Tensor | None, rows: Tensor, b: Tensor, slot: Tensor) -> None:
+        """Store a new slot's projected keys and values (or mark that it has none)."""
+        if kv is not None and (self.kv is None or self.kv.shape[0] != kv.shape[0]):
+            n_kv, _, B, *rest = kv.shape
+            self.kv = torch.empty(n_kv, 2, B * self.n_slot, *rest, dtype=self.dtype, device=kv.device)
+            self.kv_fresh = torch.zeros(B, self.n_slot, dtype=torch.bool, device=kv.device)
+        if self.kv_fresh is None:
+            return
+        if kv is not None:
+            assert self.kv is not None
+            self.kv.index_copy_(2, rows, kv.to(self.dtype))
+        self.kv_fresh[b, slot] = kv is not None
+
+    def fresh_kv(self) -> Tensor | None:
+        """The projected keys and values of every slot, [n_kv, 2, B*N, H, Ls, d_h], when every filled
+        slot has them (all were inserted at evaluation), else None.
+
+        They are the projections by the weights of the step that inserted the slot: exact while
+        the weights do not change (evaluation; a new evaluation starts from a fresh state).
+        """
+        if self.kv_fresh is None or not bool(self.kv_fresh[:, : self.n_valid].all()):
+            return None
+        return self.kv
 
     def _worst_slot(self) -> Tensor:
         """The slot each row drops under ``least_used`` / ``discard_worst``: [B] long, ties to the oldest."""
@@ -342,6 +373,8 @@ class SegmentCache:
             "usage": self.usage,
             "scored": self.scored,
             "newest": self.newest,
+            "kv": self.kv,
+            "kv_fresh": self.kv_fresh,
             "key_view": self.summary.name if self.summary.key_is_view and self.values is not None else None,
         }
 
@@ -361,6 +394,7 @@ class SegmentCache:
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
         self._faiss = None
+        self.kv, self.kv_fresh = sd.get("kv"), sd.get("kv_fresh")
         if self.backend == "faiss" and self.n_insert > 0:
             self._rebuild_faiss()
 
@@ -378,7 +412,7 @@ class SegmentCache:
 
     def to(self, device: torch.device | str) -> SegmentCache:
         """Move the stored tensors to ``device`` (in place); returns self."""
-        for name in ("values", "keys", "pos", "usage", "scored", "newest"):
+        for name in ("values", "keys", "pos", "usage", "scored", "newest", "kv", "kv_fresh"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))

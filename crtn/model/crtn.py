@@ -27,6 +27,7 @@ from torch import Tensor
 
 from crtn.model.attention import CacheContext, RealPositions
 from crtn.model.cache import SegmentCache, Selection
+from crtn.model.evalkv import keep_last, slot_layout
 from crtn.model.query import QueryInputs, make_query
 from crtn.model.summary import make_summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
@@ -62,7 +63,7 @@ class CRTNState(State):
 
     def nbytes(self) -> int:
         cache = self.cache
-        stored = (None, None) if cache is None else (cache.values, cache.keys)
+        stored = (None, None, None) if cache is None else (cache.values, cache.keys, cache.kv)
         return super().nbytes() + _nbytes(self.r_prev, *stored)
 
 
@@ -188,11 +189,13 @@ class CRTN(TransformerLM):
             return super().forward(tokens, target, state, update)
         cache.commit()
         seg = cache.seg_len if cache.values is not None else self.tgt_len
-        mem_kv = self.memory_kv(state.mem)
+        keep = self.keeps_kv()  # evaluation: projected keys and values kept (evalkv.py)
+        mem_kv = self.step_memory_kv(state) if keep else self.memory_kv(state.mem)
+        kv_out: list[Tensor] | None = [] if keep else None
         r = self.retrieve_from
         lower = None
         if r > 0:  # the layers below the first retrieving one: shared by query and main pass
-            lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r))[0]
+            lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r), kv_out=kv_out)[0]
         r_cur, selection = None, None
         if cache.n_valid > 0 or self.needs_r_prev:
             r_cur, selection = self._retrieve(
@@ -203,27 +206,12 @@ class CRTN(TransformerLM):
                 update=update,
                 shared=None if lower is None else lower[-1],
             )
-        ctx, real_pos = None, None
-        if selection is not None:
-            ctx = CacheContext(
-                cache.values,
-                selection.flat_index,
-                selection.alpha,
-                weighted=self.cache_cfg.weighted,
-                age=selection.age,
-                first_layer=r,
-            )
-            if self.cache_cfg.pos == "real":
-                real_pos = RealPositions(
-                    self.pos_emb,
-                    selection.age,
-                    seg_len=seg,
-                    q_len=L,
-                    clamp_len=self.clamp_len,
-                    dtype=self.dtype,
-                )
+        keep_slots = keep and self.cache_cfg.eval_kv  # slots' projections too (cache.eval_kv)
+        ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
         if lower is None:
-            hids, out = self.core(tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv)
+            hids, out = self.core(
+                tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv, kv_out=kv_out
+            )
         else:
             upper, out = self.core(
                 tokens,
@@ -233,20 +221,45 @@ class CRTN(TransformerLM):
                 mem_kv=mem_kv,
                 layers=(r, self.n_layer),
                 h=lower[-1],
+                kv_out=kv_out,
             )
             hids = lower + upper[1:]
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
-        new_mem = self._renew(state, hids, seg, L)
+        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out, keep_slots=keep_slots)
         new_state = CRTNState(
             mem=new_mem,
+            mem_kv=new_kv,
             pos=state.pos + L,
             cache=cache,
             r_prev=None if r_cur is None else r_cur.detach(),
             prev_tokens=tokens if L == seg else None,
         )
         return LMOutput(nll, out, new_state, selection)
+
+    def _context(
+        self, cache: SegmentCache, selection: Selection | None, *, seg: int, L: int, keep: bool
+    ) -> tuple[CacheContext | None, RealPositions | None]:
+        """What the main pass reads of the selection (None before the first): the retrieved rows
+        (with their kept keys and values at evaluation) and, for ``cache.pos=real``, their positions."""
+        if selection is None:
+            return None, None
+        ctx = CacheContext(
+            cache.values,
+            selection.flat_index,
+            selection.alpha,
+            weighted=self.cache_cfg.weighted,
+            age=selection.age,
+            first_layer=self.retrieve_from,
+            kv=cache.fresh_kv() if keep else None,
+        )
+        real_pos = None
+        if self.cache_cfg.pos == "real":
+            real_pos = RealPositions(
+                self.pos_emb, selection.age, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
+            )
+        return ctx, real_pos
 
     def _retrieve(
         self,
@@ -315,13 +328,29 @@ class CRTN(TransformerLM):
             tokens=tokens,
             prev_tokens=prev_tokens,
             prev_states=None if qmem is None else qmem[:, :, -seg:],
+            memory_kv=self._memory_kv_detached if self.query_cfg.detach else self.memory_kv,
         )
 
-    def _renew(self, state: CRTNState, hids: list[Tensor], seg: int, L: int) -> Tensor | None:
-        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot. Returns the new S."""
+    def _renew(
+        self,
+        state: CRTNState,
+        hids: list[Tensor],
+        *,
+        seg: int,
+        L: int,
+        kv: list[Tensor] | None = None,
+        keep_slots: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor] | None]:
+        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot.
+
+        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot keeps
+        those of the retrieving layers when ``keep_slots`` (``cache.eval_kv``). Returns the new S
+        and its keys and values.
+        """
         cache = state.cache
         assert cache is not None
         cat, new_mem = self._append(state.mem, hids)
+        cat_kv, new_kv = kv, None if kv is None else keep_last(kv, self.mem_len)
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
             r = self.retrieve_from
@@ -331,8 +360,11 @@ class CRTN(TransformerLM):
             if not self.summary.key_is_view:
                 with torch.no_grad():
                     key = self.summary.key(cat[self.key_layer, :, :over])
-            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L))
-        return new_mem
+            slot_kv = None
+            if cat_kv is not None and keep_slots:  # [n_kv, 2, B, H, Ls, d_h]
+                slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
+            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
+        return new_mem, new_kv
 
     def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
         """Memory of the query pass: S, and at least the stored states of X_{t-1} (SPEC §3 step 1)."""
@@ -356,6 +388,17 @@ class CRTN(TransformerLM):
         return self.core(tokens, mem, extra_mask=extra_mask, mem_kv=mem_kv, layers=(0, self.key_layer))[0][-1]
 
     @torch.no_grad()
-    def _core_top_detached(self, tokens: Tensor, mem: Tensor | None, extra_mask: Tensor | None) -> Tensor:
+    def _core_top_detached(
+        self,
+        tokens: Tensor,
+        mem: Tensor | None,
+        extra_mask: Tensor | None,
+        mem_kv: list[Tensor] | None = None,
+    ) -> Tensor:
         """:meth:`_core_top` without gradient (``query.detach``)."""
-        return self._core_top(tokens, mem, extra_mask)
+        return self._core_top(tokens, mem, extra_mask, mem_kv=mem_kv)
+
+    @torch.no_grad()
+    def _memory_kv_detached(self, mem: Tensor | None) -> list[Tensor] | None:
+        """:meth:`memory_kv` without gradient (``query.detach``)."""
+        return self.memory_kv(mem)

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from crtn.model.summary import TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
-CoreFn = Callable[[Tensor, Tensor | None, Tensor | None], Tensor]
+CoreFn = Callable[..., Tensor]  # (tokens, mem, extra_mask[, mem_kv]) -> top layer
 
 
 @dataclass
@@ -62,6 +62,8 @@ class QueryInputs:
         core: runs the Transformer with shared weights (fixed_length strategies).
         tokens: [B, L'] X_t; prev_tokens: [B, L] X_{t-1} (zeros before the first segment).
         prev_states: [n+1, B, L, d] stored states of X_{t-1}, or None.
+        memory_kv: the model's projection of a memory into per-layer keys and values
+            (``TransformerLM.memory_kv``), so that passes over copies of one memory share it.
     """
 
     r_cur: Tensor | None
@@ -70,6 +72,7 @@ class QueryInputs:
     tokens: Tensor | None = None
     prev_tokens: Tensor | None = None
     prev_states: Tensor | None = None
+    memory_kv: Callable[[Tensor], list[Tensor] | None] | None = None
 
 
 def last_l_windows(r_cur: Tensor, seg_len: int) -> Tensor:
@@ -117,17 +120,26 @@ def fixed_length_1_windows(core: CoreFn, prev_tokens: Tensor, tokens: Tensor) ->
     return top.view(B, Lq, L, -1)
 
 
-def fixed_length_2_windows(core: CoreFn, tokens: Tensor, prev_states: Tensor, r_prev: Tensor) -> Tensor:
+def fixed_length_2_windows(
+    core: CoreFn,
+    tokens: Tensor,
+    prev_states: Tensor,
+    r_prev: Tensor,
+    memory_kv: Callable[[Tensor], list[Tensor] | None] | None = None,
+) -> Tensor:
     """W_j = [R_prev[j+1..L]; T_j] for every j: -> [B, L', L, d].
 
     T_j is the top layer of a pass over X_t[1..j] whose memory is the stored states of
     X_{t-1}[j+1..L]. All L' passes run as one batch of B*L' sequences over X_t with the
     whole of X_{t-1} as memory and the first j memory positions masked (causality
-    makes rows after j irrelevant to T_j).
+    makes rows after j irrelevant to T_j). The L' copies of the memory share one projection
+    into keys and values (``memory_kv``, exact: each copy's would be the same), instead of
+    projecting B*L' memories per layer.
 
     Args:
         tokens: [B, L'] X_t. prev_states: [n+1, B, L, d] stored states of X_{t-1}.
         r_prev: [B, L, d].
+        memory_kv: the model's projection of a memory (:class:`QueryInputs`), or None.
     """
     B, Lq = tokens.shape
     n1, _, L, d = prev_states.shape
@@ -137,7 +149,10 @@ def fixed_length_2_windows(core: CoreFn, tokens: Tensor, prev_states: Tensor, r_
     c = torch.arange(L + Lq, device=tokens.device)
     hide = (c[None, :] <= j[:, None]) & (c[None, :] < L)  # [L', L+L'] memory rows 1..j hidden
     extra = hide[None].expand(B, Lq, L + Lq).reshape(B * Lq, 1, 1, L + Lq)
-    top = core(toks, mem, extra).view(B, Lq, Lq, d)  # T_j = top[:, j, :j+1]
+    kv = None if memory_kv is None else memory_kv(prev_states)
+    if kv is not None:
+        kv = [t.repeat_interleave(Lq, 0) for t in kv]  # [B*L', L, 2 H d_h] per layer
+    top = core(toks, mem, extra, mem_kv=kv).view(B, Lq, Lq, d)  # T_j = top[:, j, :j+1]
     g = torch.cat([r_prev[:, None].expand(B, Lq, L, d), top], 2)  # [B, L', L+L', d]
     idx = j[:, None] + 1 + torch.arange(L, device=tokens.device)[None, :]  # rows j+1 .. j+L
     return g.gather(2, idx[None, :, :, None].expand(B, Lq, L, d))
@@ -201,7 +216,10 @@ class FixedLength2(QueryStrategy):
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         assert x.core is not None and x.tokens is not None
         assert x.prev_states is not None and x.r_prev is not None
-        return self._last_row(fixed_length_2_windows(x.core, x.tokens, x.prev_states, x.r_prev))
+        windows = fixed_length_2_windows(
+            x.core, x.tokens, x.prev_states, r_prev=x.r_prev, memory_kv=x.memory_kv
+        )
+        return self._last_row(windows)
 
 
 class LastL(QueryStrategy):

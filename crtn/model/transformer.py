@@ -33,6 +33,7 @@ from crtn.model.attention import (
 )
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
+from crtn.model.evalkv import keep_last
 
 
 @dataclass
@@ -42,12 +43,16 @@ class State:
     Attributes:
         mem: [n+1, B, M, d] short-term memory S (M <= mem_len), gradient-stopped, or None.
         pos: stream position of the next segment's first token (tokens consumed so far).
+        mem_kv: per layer 0..n-1, [B, M, 2 H d_h] the memory's projected keys and values, kept at
+            evaluation (``crtn/model/evalkv.py``), or None (saved, so that a restored state
+            continues bit for bit).
 
     CRTN's state (``crtn.py``) adds the cache and what its query strategies carry.
     """
 
     mem: Tensor | None = None
     pos: int = 0
+    mem_kv: list[Tensor] | None = None
 
     @property
     def cache(self) -> SegmentCache | None:
@@ -56,11 +61,11 @@ class State:
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and counters needed to continue exactly (for checkpoints)."""
-        return {"mem": self.mem, "pos": self.pos}
+        return {"mem": self.mem, "pos": self.pos, "mem_kv": self.mem_kv}
 
     def nbytes(self) -> int:
         """Bytes held by the state's hidden-state tensors (memory; CRTN: also R_prev and the cache)."""
-        return _nbytes(self.mem)
+        return _nbytes(self.mem, *(self.mem_kv or ()))
 
 
 def _nbytes(*tensors: Tensor | None) -> int:
@@ -100,6 +105,9 @@ class TransformerLM(nn.Module):
 
     has_memory = True
     has_cache = False
+    #: keep projected keys and values of memory (and cache) rows at evaluation (evalkv.py);
+    #: exact, so on by default; False re-projects them every step (the training path)
+    eval_kv = True
     n_slot = top_k = 0  # cache size and retrieved segments per token (models with a cache)
 
     def __init__(self, n_token: int, model: Any):
@@ -144,6 +152,7 @@ class TransformerLM(nn.Module):
                 dropfor=model.dropfor,
                 dropatt_out=model.dropatt_out,
                 locked=model.locked_dropout,
+                sdpa=model.sdpa,
             )
             for _ in range(model.n_layer)
         )
@@ -221,6 +230,8 @@ class TransformerLM(nn.Module):
         """Rebuild a :class:`State` from :meth:`State.state_dict` on ``device``."""
         state = self.init_state(batch_size, device)
         state.mem, state.pos = _to(sd["mem"], device), sd["pos"]
+        kept = sd.get("mem_kv")
+        state.mem_kv = None if kept is None else [t.to(device) for t in kept]
         return state
 
     @property
@@ -250,6 +261,7 @@ class TransformerLM(nn.Module):
         mem_kv: list[Tensor] | None = None,
         layers: tuple[int, int] | None = None,
         h: Tensor | None = None,
+        kv_out: list[Tensor] | None = None,
     ) -> tuple[list[Tensor], Tensor]:
         """Run the layers over one segment.
 
@@ -265,6 +277,8 @@ class TransformerLM(nn.Module):
             layers: (start, end): run only layers start..end-1 (0-based), default all;
                 ``h`` [B, L, d] is then the input of layer ``start`` (the embedding is not
                 recomputed) unless start is 0.
+            kv_out: a list that receives each layer's keys and values of [memory; segment],
+                [B, M+L, 2 H d_h] per layer run (evaluation, ``evalkv.py``), or None.
 
         Returns:
             (hids, out): hids = the states [B, L, d] at the input of layer ``start`` and at the
@@ -302,6 +316,7 @@ class TransformerLM(nn.Module):
                 layer=i,
                 real_pos=real_pos,
                 mem_kv=None if mem_kv is None else mem_kv[i],
+                kv_out=kv_out,
             )
             hids.append(h)
         return hids, self.drop(h) if end == self.n_layer else h
@@ -325,6 +340,18 @@ class TransformerLM(nn.Module):
         if self.clamp_len > 0:
             pos_seq = pos_seq.clamp(max=self.clamp_len)
         return self.drop_inp(self.pos_emb(pos_seq, dtype)), real_pos
+
+    def keeps_kv(self) -> bool:
+        """Whether this step keeps projected keys and values (evaluation without gradient)."""
+        return self.eval_kv and not self.training and not torch.is_grad_enabled()
+
+    def step_memory_kv(self, state: State) -> list[Tensor] | None:
+        """The memory's keys and values for this step: those the state kept (evaluation) when they
+        match its memory, else projected now (:meth:`memory_kv`)."""
+        mem, kept = state.mem, state.mem_kv
+        if kept is not None and mem is not None and self.keeps_kv() and kept[0].shape[1] == mem.shape[2]:
+            return kept
+        return self.memory_kv(mem)
 
     def memory_kv(self, mem: Tensor | None) -> list[Tensor] | None:
         """Keys and values of the memory at every layer, [B, M, 2 H d_h] each (None without memory).
@@ -362,12 +389,16 @@ class TransformerLM(nn.Module):
         B, L = tokens.shape
         if state is None:
             state = self.init_state(B, tokens.device)
-        hids, out = self.core(tokens, state.mem)
+        keep = self.keeps_kv()
+        mem_kv = self.step_memory_kv(state) if keep else None
+        kv_out: list[Tensor] | None = [] if keep else None
+        hids, out = self.core(tokens, state.mem, mem_kv=mem_kv, kv_out=kv_out)
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state)
         _, new_mem = self._append(state.mem, hids)
-        return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L))
+        new_kv = None if kv_out is None else keep_last(kv_out, self.mem_len)
+        return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L, mem_kv=new_kv))
 
 
 class VanillaLM(TransformerLM):
