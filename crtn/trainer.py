@@ -39,6 +39,7 @@ from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import eval_lengths, evaluate, format_metrics, metric_value
 from crtn.model import build_model
+from crtn.optim import WeightAverage, avg_start_step, param_groups, tar_penalty, total_steps
 
 log = logging.getLogger("crtn.train")
 
@@ -175,6 +176,7 @@ class Trainer:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
         self._load_data()
+        self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
         self._build_model()
         self.chunks = cfg.train.batch_chunk
         self.chunk_bs = self.train_it.local_batch_size // self.chunks
@@ -223,7 +225,10 @@ class Trainer:
         if cfg.init_from:
             init_from(self.model, cfg.init_from, self.corpus)
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+            param_groups(self.model, o.lr, o.emb_lr_mult),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            weight_decay=o.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -231,11 +236,18 @@ class Trainer:
                 s,
                 scheduler=o.scheduler,
                 warmup=o.warmup_step,
-                max_step=cfg.train.max_step,
+                max_step=self.total_steps,
                 eta_ratio=o.eta_min / o.lr,
             ),
         )
         self.ddp_model = self.dist.wrap(self.model)
+        start = avg_start_step(cfg.train.avg_start, self.total_steps)
+        self.average = None if start is None else WeightAverage(self.model, start)
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The weights that validation and ``best.pt`` use: the average once it started."""
+        return self.average.module if self.average is not None and self.average.active else self.model
 
     # ------------------------------------------------------------------ start and checkpoints
     def start(self) -> None:
@@ -270,6 +282,13 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        if self.average is not None:
+            if ckpt.get("averaged") is None:
+                raise CheckpointError(
+                    f"cannot resume from {str(self.last)!r}: it holds no averaged weights but "
+                    f"train.avg_start={self.cfg.train.avg_start}; resume with the same setup"
+                )
+            self.average.load_state_dict(ckpt["averaged"])
         self.progress = Progress(
             step=ckpt["step"],
             epoch=ckpt["epoch"],
@@ -307,7 +326,12 @@ class Trainer:
             )
 
     def checkpoint(self, with_states: bool = True) -> dict[str, Any]:
-        """The checkpoint payload; ``with_states`` gathers every rank's streams (a collective)."""
+        """The checkpoint payload; ``with_states`` gathers every rank's streams (a collective).
+
+        ``model``: the trained weights (``last.pt``); without ``with_states`` (``best.pt``) the
+        weights evaluation uses (:attr:`eval_model`). ``averaged``: the :class:`WeightAverage`
+        state (averaged weights and count), for an exact resume; None without averaging.
+        """
         all_states = None
         if with_states:
             all_states = self.dist.gather([_cpu(st.state_dict()) for st in self.states])
@@ -315,7 +339,8 @@ class Trainer:
         return {
             "config": self.config_dict,
             "vocab": self.corpus.vocab.idx2sym,
-            "model": self.model.state_dict(),
+            "model": (self.model if with_states else self.eval_model).state_dict(),
+            "averaged": None if self.average is None else self.average.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": p.step,
@@ -348,8 +373,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> str | None:
-        """Train until ``train.max_step``, ``train.max_time`` or a signal; returns what stopped the
-        loop early (None: it reached ``train.max_step``)."""
+        """Train until ``train.max_step`` (or ``train.max_epoch``), ``train.max_time`` or a signal;
+        returns what stopped the loop early (None: it reached the end)."""
         cfg, stop = self.cfg, _Stop()
         ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
         self.t_start = time.perf_counter() - self.progress.elapsed
@@ -363,7 +388,7 @@ class Trainer:
                 stack.enter_context(logging_redirect_tqdm())
             bar = stack.enter_context(
                 tqdm(
-                    total=cfg.train.max_step,
+                    total=self.total_steps,
                     initial=self.step,
                     desc="train",
                     dynamic_ncols=True,
@@ -371,7 +396,7 @@ class Trainer:
                     mininterval=1.0,
                 )
             )
-            while self.step < cfg.train.max_step:
+            while self.step < self.total_steps:
                 stopped_by = self._stop_reason(stop)
                 if stopped_by:
                     return stopped_by
@@ -403,9 +428,9 @@ class Trainer:
     def _after_step(self, bar: Any, ckpt_interval: int) -> None:
         """Log, validate and checkpoint when the step calls for it."""
         step, t = self.step, self.cfg.train
-        if step % t.log_interval == 0 or step == t.max_step:
+        if step % t.log_interval == 0 or step == self.total_steps:
             self.log_train(bar)
-        if step % t.eval_interval == 0 and step < t.max_step and self.dist.is_main:
+        if step % t.eval_interval == 0 and step < self.total_steps and self.dist.is_main:
             self.validate()
             self.tokens_window, self.t_window = 0, time.perf_counter()
         if step % ckpt_interval == 0:
@@ -423,15 +448,20 @@ class Trainer:
             with self.dist.no_sync(self.ddp_model, last=c == chunks - 1), self.amp:
                 out = self.ddp_model(x[rows], y[rows], self.states[c])
                 loss = out.nll.float().mean() / chunks
+                nll = loss.detach()
+                if self.cfg.train.tar > 0:
+                    loss = loss + tar_penalty(out.hidden.float(), self.cfg.train.tar) / chunks
             loss.backward()
             self.states[c] = out.state
-            self.loss_sum += loss.detach()
+            self.loss_sum += nll
         self.loss_n += 1
         if self.cfg.optim.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip)
         self.optimizer.step()
         self.scheduler.step()
         p.step += 1
+        if self.average is not None:
+            self.average.update(self.model, p.step)
         p.tokens_seen += self.tokens_per_step
         self.tokens_window += self.tokens_per_step
 
@@ -483,11 +513,15 @@ class Trainer:
         self.tokens_window, self.t_window = 0, time.perf_counter()
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, split: str, max_step: int | None) -> dict[str, Any]:
-        """Metrics of the current weights on ``split`` (eval-time lengths of ``cfg.eval``)."""
-        with eval_lengths(self.model, self.cfg.eval):
+    def evaluate(
+        self, split: str, max_step: int | None, model: torch.nn.Module | None = None
+    ) -> dict[str, Any]:
+        """Metrics on ``split`` (eval-time lengths of ``cfg.eval``) of ``model``, by default
+        :attr:`eval_model` (the averaged weights once averaging started)."""
+        model = self.eval_model if model is None else model
+        with eval_lengths(model, self.cfg.eval):
             m = evaluate(
-                self.model,
+                model,
                 self.corpus,
                 split,
                 batch_size=self.eval_bs,
@@ -531,7 +565,7 @@ class Trainer:
             if split == "valid" and self.best_metrics is not None:
                 final[split] = self.best_metrics
             else:
-                final[split] = self.evaluate(split, None)
+                final[split] = self.evaluate(split, None, model=self.model)
             log.info("final %s", format_metrics(final[split]))
         return final
 
