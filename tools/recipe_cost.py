@@ -7,7 +7,7 @@ Builds the run exactly as ``crtn-train +experiment=RECIPE model=MODEL`` would (t
 config, the corpus, :class:`crtn.trainer.Trainer`), runs ``--warmup`` untimed training steps (the
 cache holds at least top_k slots after them), then times ``--steps`` steps one by one
 (wall clock). Peak memory: the process' maximum resident set size (``getrusage``), which
-includes the corpus and the Python runtime. Projection: the median step time times the
+includes the corpus and the Python runtime. Projection: the median step CPU time times the
 recipe's steps (``train.max_epoch`` epochs of ``len(train iterator)`` steps), validation
 excluded. Run one configuration per process, so that each peak is its own.
 """
@@ -42,25 +42,28 @@ def measure(recipe: str, model: str, steps: int, warmup: int) -> dict:
         trainer = Trainer(cfg, dist=DistributedContext(), device=torch.device("cpu"), run_dir=Path(tmp))
         trainer.start()
         it = trainer.train_it.iterate(0)
-        times = []
+        times, cpu = [], []
         for i in range(warmup + steps):
             batch = next(it)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainer.train_step(batch)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         per_epoch = len(trainer.train_it)
         total = trainer.total_steps
-    step_s = statistics.median(times)
+    step_s = statistics.median(cpu)
     return {
         "recipe": recipe,
         "model": model,
         "params": trainer.n_params,
         "threads": torch.get_num_threads(),
         "timed_steps": steps,
-        "step_s_median": step_s,
-        "step_s_mean": statistics.fmean(times),
-        "step_s_all": times,
+        "step_cpu_s_median": step_s,
+        "step_wall_s_median": statistics.median(times),
+        "step_cpu_s_all": cpu,
+        "step_wall_s_all": times,
+        "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
         "tokens_per_s": cfg.data.batch_size * cfg.model.tgt_len / step_s,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "steps_per_epoch": per_epoch,
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     res = measure(args.recipe, args.model, args.steps, args.warmup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
-    print(json.dumps({k: v for k, v in res.items() if k != "step_s_all"}), file=sys.stdout)
+    print(json.dumps({k: v for k, v in res.items() if not k.endswith("_all")}), file=sys.stdout)
 
 
 if __name__ == "__main__":
