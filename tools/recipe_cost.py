@@ -31,8 +31,9 @@ from crtn.distributed import DistributedContext
 from crtn.trainer import Trainer
 
 
-def measure(recipe: str, model: str, steps: int, warmup: int) -> dict:
-    """Time ``steps`` training steps of ``+experiment=recipe model=model`` on the CPU."""
+def measure(recipe: str, model: str, steps: int, warmup: int, out: Path) -> dict:
+    """Time ``steps`` training steps of ``+experiment=recipe model=model`` on the CPU; the
+    results so far are written to ``out`` after every timed step (a stopped run keeps them)."""
     register_configs()
     with initialize_config_module(config_module="crtn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={recipe}", f"model={model}", "train.device=cpu"])
@@ -50,15 +51,20 @@ def measure(recipe: str, model: str, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
-        per_epoch = len(trainer.train_it)
-        total = trainer.total_steps
+                res = _results(cfg, trainer, times, cpu)
+                out.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def _results(cfg, trainer: Trainer, times: list[float], cpu: list[float]) -> dict:
     step_s = statistics.median(cpu)
+    per_epoch, total = len(trainer.train_it), trainer.total_steps
     return {
-        "recipe": recipe,
-        "model": model,
+        "recipe": cfg.data.name,
+        "model": cfg.model.name,
         "params": trainer.n_params,
         "threads": torch.get_num_threads(),
-        "timed_steps": steps,
+        "timed_steps": len(cpu),
         "step_cpu_s_median": step_s,
         "step_wall_s_median": statistics.median(times),
         "step_cpu_s_all": cpu,
@@ -80,9 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    res = measure(args.recipe, args.model, args.steps, args.warmup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
+    res = measure(args.recipe, args.model, args.steps, args.warmup, args.out)
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_all")}), file=sys.stdout)
 
 
