@@ -9,7 +9,8 @@ A checkpoint is a ``torch.save`` dict::
     model       model.state_dict()
     # training checkpoints only (crtn-train):
     optimizer, scheduler, step, epoch, batch_index, states (per batch chunk), rng,
-    best_valid, elapsed, tokens_seen
+    best_valid, elapsed, tokens_seen, averaged (train.avg_start: the AveragedModel's state, or
+    None; best.pt's ``model`` is then the averaged weights, last.pt's the trained ones)
 
 ``crtn-convert`` writes the first five keys only (a model to evaluate, fine-tune or
 sample from). Files are written to a temporary name in the same folder, fsynced and renamed

@@ -27,6 +27,7 @@ from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
 from crtn.model import dependency_range, model_class, valid_pairs, valid_summaries, validate_model  # noqa: F401  (re-exported)
+from crtn.optim import validate_training
 
 # the names of the registered models, query strategies and summaries (crtn/model/)
 MODELS = tuple(MODEL_CLASSES)
@@ -177,6 +178,9 @@ class OptimConfig:
     warmup_step: int = 100
     eta_min: float = 0.0  # cosine: final learning rate
     clip: float = 0.25
+    # learning rate of the word embedding's parameters (tables, projections, and the output layer's
+    # tied weights) relative to lr; the CRTN authors' --emb_mult (crtn/optim.py)
+    emb_lr_mult: float = 1.0
 
 
 @dataclass
@@ -184,7 +188,15 @@ class TrainConfig:
     """Length, logging, evaluation and checkpointing of a training run."""
 
     max_step: int = 1500
+    max_epoch: int | None = None  # epochs of training; with max_step, whichever comes first
     max_time: float | None = None  # wall-clock seconds of training; stops early
+    # temporal activation regularisation (Merity et al. 2018): adds tar * mean((h_{t+1} - h_t)^2)
+    # of the top-layer outputs to the loss (crtn/optim.py, tar_penalty); 0: off
+    tar: float = 0.0
+    # Polyak averaging of the weights (torch.optim.swa_utils.AveragedModel) after this step, or
+    # this fraction of the run if < 1; validation, best.pt and the final evaluation use the
+    # averaged weights once it started; null: off (crtn/optim.py, WeightAverage)
+    avg_start: float | None = None
     batch_chunk: int = 1  # gradient accumulation: the batch is split into this many chunks
     log_interval: int = 100
     eval_interval: int = 500
@@ -425,6 +437,7 @@ def validate_train(cfg: Any) -> None:
     for key in ("max_step", "log_interval", "eval_interval", "batch_chunk"):
         if getattr(cfg.train, key) <= 0:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)} must be > 0")
+    validate_training(cfg.train, cfg.optim)
     if cfg.train.max_time is not None and cfg.train.max_time <= 0:
         raise ConfigError(f"train.max_time={cfg.train.max_time} must be > 0 (seconds)")
     if cfg.data.batch_size <= 0 or cfg.data.eval_batch_size <= 0:

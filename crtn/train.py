@@ -43,8 +43,9 @@ from crtn.config import uses_cache, validate_train
 from crtn.distributed import DistributedContext
 from crtn.errors import ConfigError
 from crtn.evaluate import format_metrics
+from crtn.optim import lr_factor
 from crtn.rundir import claim_run_dir
-from crtn.trainer import Trainer, TrainingDiverged, lr_factor
+from crtn.trainer import Trainer, TrainingDiverged
 from crtn.utils import atomic_write_text
 
 __all__ = ["TrainingDiverged", "Trainer", "lr_factor", "main", "run_training", "train_in"]

@@ -17,7 +17,6 @@ besides weights, optimizer, schedule, streams and RNG states.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -47,7 +46,8 @@ from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, eval_lengths, evaluate, format_metrics, metric_value
 from crtn.model import build_model
 from crtn.model.fused import compile_layers
-from crtn.utils import atomic_write_text
+from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, tar_penalty, total_steps
+from crtn.rundir import Stop, append_jsonl, catch_signals, truncate_jsonl
 
 log = logging.getLogger("crtn.train")
 
@@ -74,23 +74,6 @@ class TrainingDiverged(UserError):
     """The training loss became NaN or infinite."""
 
 
-def lr_factor(step: int, scheduler: str, warmup: int, max_step: int, eta_ratio: float) -> float:
-    """Learning-rate multiplier after ``step`` optimizer steps (Transformer-XL release schedules).
-
-    Linear warm-up over ``warmup`` steps, then ``cosine`` (to ``eta_ratio`` = eta_min / lr at
-    ``max_step``), ``inv_sqrt`` (sqrt(warmup / step)) or ``constant``.
-    """
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if scheduler == "cosine":
-        span = max(1, max_step - warmup)
-        progress = min(1.0, (step - warmup) / span)
-        return eta_ratio + (1 - eta_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    if scheduler == "inv_sqrt":
-        return math.sqrt(max(warmup, 1) / max(step, 1))
-    return 1.0
-
-
 @dataclass
 class Progress:
     """Where a run stands; saved in every checkpoint."""
@@ -101,48 +84,6 @@ class Progress:
     best_valid: float = math.inf  # lowest validation loss so far
     elapsed: float = 0.0  # seconds of training (validations included) at the last update
     tokens_seen: int = 0
-
-
-class _Stop:
-    """Set by SIGINT/SIGTERM: the loop stops at the next step boundary and checkpoints."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-
-    def __call__(self, signum, frame) -> None:  # noqa: ARG002
-        if self.signal is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
-        self.signal = signum
-
-
-def _catch_signals(stop: _Stop, stack: ExitStack) -> None:
-    """Route SIGINT/SIGTERM to ``stop`` until ``stack`` closes (main thread only)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            old = signal.signal(sig, stop)
-        except ValueError:  # not in the main thread (some launchers)
-            return
-        stack.callback(signal.signal, sig, old)
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop records after ``max_step`` (they are re-done after a resume), and a last record torn by
-    a kill in the middle of its append."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= max_step:
-                keep.append(line)
-        except ValueError:  # empty or torn
-            continue
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def _cpu(x: Any) -> Any:
@@ -180,6 +121,7 @@ class Trainer:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
         self._load_data()
+        self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
         self._build_model()
         self.chunks = cfg.train.batch_chunk
         self.chunk_bs = self.train_it.local_batch_size // self.chunks
@@ -188,7 +130,7 @@ class Trainer:
         self.best_metrics: dict[str, Any] | None = None
         self.last_validated = -1
         self.validate_pending = False  # a validation was stopped by a signal: redo it on resume
-        self.stop = _Stop()
+        self.stop = Stop()
         self.tb = None
         self.amp = (
             torch.autocast(device.type, dtype=torch.bfloat16)
@@ -232,7 +174,10 @@ class Trainer:
         if cfg.train.compile:
             compile_layers(self.model)
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+            param_groups(self.model, o.lr, o.emb_lr_mult),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            weight_decay=o.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -240,11 +185,18 @@ class Trainer:
                 s,
                 scheduler=o.scheduler,
                 warmup=o.warmup_step,
-                max_step=cfg.train.max_step,
+                max_step=self.total_steps,
                 eta_ratio=o.eta_min / o.lr,
             ),
         )
         self.ddp_model = self.dist.wrap(self.model)
+        start = avg_start_step(cfg.train.avg_start, self.total_steps)
+        self.average = None if start is None else WeightAverage(self.model, start)
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The weights that validation and ``best.pt`` use: the average once it started."""
+        return self.average.module if self.average is not None and self.average.active else self.model
 
     # ------------------------------------------------------------------ start and checkpoints
     def start(self) -> None:
@@ -252,7 +204,7 @@ class Trainer:
         if self.cfg.train.resume and self.last.exists():
             self._resume()
         if self.dist.is_main:
-            _truncate_jsonl(self.metrics_path, self.step)
+            truncate_jsonl(self.metrics_path, self.step)
         if not self.states:
             self.states = [self.model.init_state(self.chunk_bs, self.device) for _ in range(self.chunks)]
         self._log_setup()
@@ -280,6 +232,13 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        if self.average is not None:
+            if ckpt.get("averaged") is None:
+                raise CheckpointError(
+                    f"cannot resume from {str(self.last)!r}: it holds no averaged weights but "
+                    f"train.avg_start={self.cfg.train.avg_start}; resume with the same setup"
+                )
+            self.average.load_state_dict(ckpt["averaged"])
         self.progress = Progress(
             step=ckpt["step"],
             epoch=ckpt["epoch"],
@@ -342,7 +301,12 @@ class Trainer:
 
     def checkpoint(self, with_states: bool = True) -> dict[str, Any]:
         """The checkpoint payload; ``with_states`` gathers every rank's streams and running loss sum
-        on rank 0 (a collective; the other ranks' payloads have none)."""
+        on rank 0 (a collective; the other ranks' payloads have none).
+
+        ``model``: the trained weights (``last.pt``); without ``with_states`` (``best.pt``) the
+        weights evaluation uses (:attr:`eval_model`). ``averaged``: the :class:`WeightAverage`
+        state (averaged weights and count), for an exact resume; None without averaging.
+        """
         all_states = loss_sums = None
         if with_states:
             own = ([_cpu(st.state_dict()) for st in self.states], self.loss_sum.detach().cpu().clone())
@@ -353,7 +317,8 @@ class Trainer:
         return {
             "config": self.config_dict,
             "vocab": self.corpus.vocab.idx2sym,
-            "model": self.model.state_dict(),
+            "model": (self.model if with_states else self.eval_model).state_dict(),
+            "averaged": None if self.average is None else self.average.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": p.step,
@@ -389,8 +354,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> str | None:
-        """Train until ``train.max_step``, ``train.max_time`` or a signal; returns what stopped the
-        loop early (None: it reached ``train.max_step``)."""
+        """Train until ``train.max_step`` (or ``train.max_epoch``), ``train.max_time`` or a signal;
+        returns what stopped the loop early (None: it reached the end)."""
         cfg, stop = self.cfg, self.stop
         ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
         self.t_start = time.perf_counter() - self.progress.elapsed
@@ -399,14 +364,14 @@ class Trainer:
         self.model.train()
         batches = self.train_it.iterate(self.progress.batch_index)
         with ExitStack() as stack:
-            _catch_signals(stop, stack)
+            catch_signals(stop, stack)
             if self.validate_pending and self.dist.is_main:  # stopped by a signal before: redo it
                 self.validate()
             if show:
                 stack.enter_context(logging_redirect_tqdm())
             bar = stack.enter_context(
                 tqdm(
-                    total=cfg.train.max_step,
+                    total=self.total_steps,
                     initial=self.step,
                     desc="train",
                     dynamic_ncols=True,
@@ -414,7 +379,7 @@ class Trainer:
                     mininterval=1.0,
                 )
             )
-            while self.step < cfg.train.max_step:
+            while self.step < self.total_steps:
                 stopped_by = self._stop_reason(stop)
                 if stopped_by:
                     return stopped_by
@@ -427,7 +392,7 @@ class Trainer:
                 self._after_step(bar, ckpt_interval)
         return None
 
-    def _stop_reason(self, stop: _Stop) -> str | None:
+    def _stop_reason(self, stop: Stop) -> str | None:
         """Why the loop stops before this step, decided by all ranks together; None: go on."""
         max_time = self.cfg.train.max_time
         out_of_time = max_time is not None and time.perf_counter() - self.t_start >= max_time
@@ -446,9 +411,9 @@ class Trainer:
     def _after_step(self, bar: Any, ckpt_interval: int) -> None:
         """Log, validate and checkpoint when the step calls for it."""
         step, t = self.step, self.cfg.train
-        if step % t.log_interval == 0 or step == t.max_step:
+        if step % t.log_interval == 0 or step == self.total_steps:
             self.log_train(bar)
-        if step % t.eval_interval == 0 and step < t.max_step and self.dist.is_main:
+        if step % t.eval_interval == 0 and step < self.total_steps and self.dist.is_main:
             self.validate()
             self.tokens_window, self.t_window = 0, time.perf_counter()
         if step % ckpt_interval == 0:
@@ -466,15 +431,20 @@ class Trainer:
             with self.dist.no_sync(self.ddp_model, last=c == chunks - 1), self.amp:
                 out = self.ddp_model(x[rows], y[rows], self.states[c])
                 loss = out.nll.float().mean() / chunks
+                nll = loss.detach()
+                if self.cfg.train.tar > 0:
+                    loss = loss + tar_penalty(out.hidden.float(), self.cfg.train.tar) / chunks
             loss.backward()
             self.states[c] = out.state
-            self.loss_sum += loss.detach()
+            self.loss_sum += nll
         self.loss_n += 1
         if self.cfg.optim.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip)
         self.optimizer.step()
         self.scheduler.step()
         p.step += 1
+        if self.average is not None:
+            self.average.update(self.model, p.step)
         p.tokens_seen += self.tokens_per_step
         self.tokens_window += self.tokens_per_step
 
@@ -505,7 +475,7 @@ class Trainer:
             "elapsed": p.elapsed,
         }
         if self.dist.is_main:
-            _append_jsonl(self.metrics_path, rec)
+            append_jsonl(self.metrics_path, rec)
             if self.tb:
                 self.tb.add_scalar("train/loss", train_loss, p.step)
                 self.tb.add_scalar("train/tokens_per_s", tok_s, p.step)
@@ -526,16 +496,24 @@ class Trainer:
         self.tokens_window, self.t_window = 0, time.perf_counter()
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, split: str, max_step: int | None, stoppable: bool = False) -> dict[str, Any]:
-        """Metrics of the current weights on ``split`` (eval-time lengths of ``cfg.eval``).
+    def evaluate(
+        self,
+        split: str,
+        max_step: int | None,
+        stoppable: bool = False,
+        model: torch.nn.Module | None = None,
+    ) -> dict[str, Any]:
+        """Metrics on ``split`` (eval-time lengths of ``cfg.eval``) of ``model``, by default
+        :attr:`eval_model` (the averaged weights once averaging started).
 
         Raises:
             EvaluationStopped: ``stoppable`` and SIGINT/SIGTERM arrived meanwhile.
         """
+        model = self.eval_model if model is None else model
         try:
-            with eval_lengths(self.model, self.cfg.eval):
+            with eval_lengths(model, self.cfg.eval):
                 m = evaluate(
-                    self.model,
+                    model,
                     self.corpus,
                     split,
                     batch_size=self.eval_bs,
@@ -568,7 +546,7 @@ class Trainer:
             if k in m and "acc" in m[k]:
                 rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
         log.info("eval at step %d: %s (%.1fs)", p.step, format_metrics(m), time.perf_counter() - t_eval)
-        _append_jsonl(self.metrics_path, rec)
+        append_jsonl(self.metrics_path, rec)
         if self.tb:
             self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
         if m["loss"] < p.best_valid:
@@ -590,7 +568,7 @@ class Trainer:
             if split == "valid" and self.best_metrics is not None:
                 final[split] = self.best_metrics
             else:
-                final[split] = self.evaluate(split, None)
+                final[split] = self.evaluate(split, None, model=self.model)
             log.info("final %s", format_metrics(final[split]))
         return final
 
