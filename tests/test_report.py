@@ -402,7 +402,12 @@ def test_report_of_a_real_multirun(real_sweep):
         res = json.loads((real_sweep / r["job"] / "results.json").read_text())
         assert num(r["test_ppl"]) == res["test"]["ppl"] and num(r["valid_ppl"]) == res["valid"]["ppl"]
         assert num(r["test_repeat_acc"]) == res["test"]["repeat"]["acc"]
-        for key in ("source_in_memory", "source_in_cache", "source_retrieved"):  # when evaluate() has them
+        for key in (
+            "source_in_memory",
+            "source_in_cache",
+            "source_retrieved",
+            "copy_retrieved",
+        ):  # when there
             if key in res["test"]["repeat"]:
                 assert num(r[f"test_repeat_{key}"]) == res["test"]["repeat"][key]
         assert num(r["params"]) == res["params"] and num(r["tokens_per_s"]) == res["tokens_per_s"]

@@ -456,9 +456,13 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
 
 def retrieval_quality(fin: dict) -> tuple[str, float] | None:
     """What an eval job says of its retrieval (issue 11): on the passage-recall corpus the
-    fraction of repeat tokens whose copy source was retrieved, elsewhere the mean alpha mass
-    per token. (label, value), or None when the job has neither."""
-    src = (fin.get("repeat") or {}).get("source_retrieved")
+    fraction of repeat tokens whose copy source, or an earlier copy of it, was retrieved
+    (older evaluations: the source only), elsewhere the mean alpha mass per token. (label, value), or None when the job has neither."""
+    rep = fin.get("repeat") or {}
+    copy = rep.get("copy_retrieved")  # the source or an earlier copy of the same text
+    if isinstance(copy, (int, float)):
+        return "source or a copy retrieved", float(copy)
+    src = rep.get("source_retrieved")
     if isinstance(src, (int, float)):
         return "copy source retrieved", float(src)
     mass = (fin.get("retrieval") or {}).get("alpha_mass_mean")
@@ -492,7 +496,7 @@ def _plot_retrieval_axis(ax, groups: dict, metric: str, cmap):
         )
     if right is not None:
         right.set_ylabel(f"{label} (dashed), higher is better")
-        if label == "copy source retrieved":
+        if label in ("copy source retrieved", "source or a copy retrieved"):
             right.set_ylim(0, 1.02)
     return right
 

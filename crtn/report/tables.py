@@ -14,7 +14,12 @@ TRAIN_HEAD = ["job", "status", "model", "data", "query", "summary", "n_slot", "t
 TRAIN_HEAD += ["params", "steps"]
 RECALL_COLS = ["repeat_ppl", "repeat_acc", "fresh_ppl", "fresh_acc"]
 # where the copied source of repeat tokens lay (fractions, when evaluate() measured it)
-SOURCE_COLS = ["repeat_source_in_memory", "repeat_source_in_cache", "repeat_source_retrieved"]
+SOURCE_COLS = [
+    "repeat_source_in_memory",
+    "repeat_source_in_cache",
+    "repeat_source_retrieved",
+    "repeat_copy_retrieved",  # the source or an earlier copy of it (crtn-eval, issue 11)
+]
 #: what crtn-eval says of retrieval on any corpus (issue 11): mean alpha mass per token, mean distance
 RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
 TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
