@@ -149,16 +149,11 @@ class SegmentCache:
         return self.values[layer].view(self.batch_size, self.n_slot, self.seg_len, -1)
 
     def valid_keys(self) -> Tensor:
-        """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max;
-        [B, n_valid, w-1+Ls, d] with ``summary.ngram`` w > 1, see :meth:`_lead_in`)."""
+        """Keys of the filled slots: [B, n_valid, d_key] ([B, n_valid, Ls, d] for token_max, a view)."""
         assert self.values is not None
         nv = self.n_valid
         if self.summary.key_is_view:
-            top = self.layer_values(self.key_layer % self.values.shape[0])[:, :nv]
-            keys = self.summary.key(top)
-            if self.summary.ngram > 1:
-                keys = torch.cat([self._lead_in(top, self.summary.ngram - 1), keys], 2)
-            return keys
+            return self.summary.key(self.layer_values(self.key_layer % self.values.shape[0])[:, :nv])
         assert self.keys is not None
         return self.keys[:, :nv]
 
@@ -338,7 +333,12 @@ class SegmentCache:
             alpha = torch.softmax(_scaled(self.summary.score_selected(query, picked), theta), -1)
         else:
             keys = self.valid_keys()
-            scores = score_fn(keys) if score_fn is not None else self.summary.score(query, keys)  # [B, L, nv]
+            if score_fn is not None:
+                scores = score_fn(keys)  # [B, L, nv]
+            elif self.summary.ngram > 1:  # token_max's n-gram match: the rows before each slot too
+                scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.ngram - 1))
+            else:
+                scores = self.summary.score(query, keys)
             B, L = scores.shape[:2]
             scores = _scaled(scores, theta)
             top_s, slot = scores.topk(k, dim=-1)

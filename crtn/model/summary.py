@@ -349,13 +349,21 @@ class TokenMax(Summary):
             return query, keys
         return self.proj_q(query), self.proj_k(keys)
 
-    def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, w-1+Ls, d] (w = ngram)."""
+    def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
+        """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
+        ``lead`` [B, n, w-1, d] the rows before each slot (w > 1; SegmentCache._lead_in). The
+        lead-in is scored on its own and joined on the score axis, so the cached rows are read
+        in place (no copy of the key layer per step)."""
         query, keys = self._map(query, keys)
         B, N, Lk, d = keys.shape
         rows = torch.bmm(query, keys.reshape(B, N * Lk, d).transpose(1, 2)).view(B, -1, N, Lk)
         w = self.ngram
         if w > 1:  # sum the w aligned diagonals: query j-a against row r-a
+            assert lead is not None
+            lead = lead.to(query.dtype) if self.proj_k is None else self.proj_k(lead.to(query.dtype))
+            before = torch.einsum("bqd,bnrd->bqnr", query, lead)  # [B, w-1+L, N, w-1]
+            rows = torch.cat([before, rows], -1)
+            Lk = rows.shape[-1]
             Lq, Ls = rows.shape[1] - w + 1, Lk - w + 1
             rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
             rows = rows * (1.0 / w)
