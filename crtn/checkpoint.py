@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from crtn.config import train_config
 from crtn.errors import CheckpointError
+from crtn.model.summary import DEFAULT_NGRAM, DEFAULT_SHIFT, TokenMax
 from crtn.utils import atomic_write
 
 log = logging.getLogger("crtn.checkpoint")
@@ -146,7 +147,34 @@ def checkpoint_config(ckpt: dict[str, Any]) -> Any:
     Raises:
         omegaconf.errors.ValidationError: a saved value does not fit the schema.
     """
-    return OmegaConf.merge(train_config(), ckpt["config"])
+    return OmegaConf.merge(train_config(), effective_config(ckpt["config"]))
+
+
+#: token_max keys added to the schema after checkpoints existed, with the value that a
+#: checkpoint saved before the key existed was trained with (the behaviour before it)
+_TOKEN_MAX_BEFORE_KEY = {"ngram": 1, "shift": 0}
+
+
+def effective_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a training config (plain dict, as saved in checkpoints) with token_max's
+    ``summary.ngram`` and ``summary.shift`` written out, so a checkpoint builds the model it
+    was trained with after a default changes: a key missing from a config saved before the
+    key existed takes its earlier behaviour (ngram 1, shift 0), and None takes today's
+    default (:data:`crtn.model.summary.DEFAULT_NGRAM`, at most tgt_len, and ``DEFAULT_SHIFT``).
+    Configs of other summaries, or without a ``summary`` section, are returned unchanged.
+    """
+    summary = config.get("summary")
+    if not isinstance(summary, dict) or summary.get("name") != TokenMax.name:
+        return config
+    tgt_len = (config.get("model") or {}).get("tgt_len") or DEFAULT_NGRAM
+    today = {"ngram": min(DEFAULT_NGRAM, tgt_len), "shift": DEFAULT_SHIFT}
+    filled = dict(summary)
+    for key, before in _TOKEN_MAX_BEFORE_KEY.items():
+        if key not in filled:
+            filled[key] = before
+        elif filled[key] is None:
+            filled[key] = today[key]
+    return {**config, "summary": filled}
 
 
 def rng_state() -> dict[str, Any]:

@@ -129,6 +129,10 @@ class SummaryConfig:
     # match; 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (4, at most
     # tgt_len). README, "Retrieval that scales"
     ngram: int | None = None
+    # token_max: 1 keys each row by the ngram rows before it, so the slot that wins holds the token
+    # that follows the match (the one to copy); 0: by the row itself and the ngram-1 before it;
+    # None: crtn.model.summary.DEFAULT_SHIFT. README, "Retrieval that scales"
+    shift: int | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from crtn.checkpoint import (
     config_mismatch,
+    effective_config,
     init_from,
     load_checkpoint,
     rng_state,
@@ -119,7 +120,8 @@ class Trainer:
         self.ckpt_dir = run_dir / "checkpoints"
         self.last, self.best = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.config_dict = OmegaConf.to_container(cfg, resolve=True)
+        # token_max's defaults written out, so the checkpoints build this model if they change
+        self.config_dict = effective_config(OmegaConf.to_container(cfg, resolve=True))
         self._load_data()
         self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
         self._build_model()
@@ -212,7 +214,7 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpt = load_checkpoint(self.last, map_location=self.device)
-        diff = config_mismatch(ckpt["config"], self.config_dict, RESUME_SECTIONS)
+        diff = config_mismatch(effective_config(ckpt["config"]), self.config_dict, RESUME_SECTIONS)
         if diff:
             raise CheckpointError(
                 f"cannot resume from {str(self.last)!r}: the config changed ({diff}); "

@@ -229,20 +229,21 @@ def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
 
 
 def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
-    """token_max with ``summary.ngram`` w: max over rows r of (1/w) sum_{a<w} <q_{j-a}, row_{r-a}>
-    / sqrt(d_key), one term at a time. ``qs``: the queries of R_prev then R_cur ([L] each, j
-    indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms)."""
-    w, L = summary.ngram, len(qs) // 2
+    """token_max with ``summary.ngram`` w and ``summary.shift`` s: max over rows r of
+    (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> / sqrt(d_key), one term at a time. ``qs``: the
+    queries of R_prev then R_cur ([L] each, j indexes R_cur); ``lead``: the predecessor slot's
+    rows [Ls, d] or None (zero terms)."""
+    w, shift, L = summary.ngram, summary.shift, len(qs) // 2
     Ls, d = rows.shape
     best = None
     for r in range(Ls):
         total = torch.zeros((), dtype=rows.dtype)
         for a in range(w):
             q = qs[L + j - a]
-            if r - a >= 0:
-                row = rows[r - a]
+            if r - shift - a >= 0:
+                row = rows[r - shift - a]
             elif lead is not None:
-                row = lead[Ls + r - a]
+                row = lead[Ls + r - shift - a]
             else:
                 continue
             if summary.proj_q is not None:
@@ -340,7 +341,7 @@ class NaiveCRTN:
         if qc.detach:
             r_cur = r_cur.detach()
         strategy = m.query.strategy
-        if m.summary.ngram > 1:  # R_prev's rows too: the window reaches back into X_{t-1}
+        if m.summary.ngram > 1 or m.summary.shift > 0:  # R_prev's rows too: the window reaches back
             r_prev = self.row.r_prev if self.row.r_prev is not None else torch.zeros_like(r_cur)
             r_cur = torch.cat([r_prev, r_cur], 0)
         if strategy == "token":
@@ -422,7 +423,7 @@ class NaiveCRTN:
             retrieved = []
             k = min(m.top_k, len(st.slots))
             for j in range(L):
-                if m.summary.ngram > 1:
+                if m.summary.ngram > 1 or m.summary.shift > 0:
                     s = torch.stack(
                         [naive_ngram_score(m.summary, queries, j, sl.key, self._lead(sl)) for sl in st.slots]
                     )

@@ -39,7 +39,7 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     assert p.returncode == 0, p.stderr
     valid = json.loads((run / "results.json").read_text())["valid"]["repeat"]
     t = _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
-    for key in ("copy position", "distance // 32", "j // 8"):  # every table covers every token
+    for key in ("copy position", "distance // 32", "j // 8", "source row"):  # each covers every token
         hits, correct, n = (sum(r[i] for r in t[key].values()) for i in range(3))
         assert n == valid["tokens"] > 0
         assert correct == round(valid["acc"] * n)
@@ -51,6 +51,7 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     assert n_miss == n - hits and ok_hit + ok_miss == correct
     assert sum(c for _, c in t["alpha"].values()) == hits
     assert set(t["copy position"]) <= set(range(2, 5))  # only tokens after repeat_skip=1 (passage_len 4)
+    assert set(t["source row"]) <= set(range(8))  # the source's row in its slot: 0..tgt_len-1 (TINY_RUN: 8)
 
 
 def test_recall_diagnosis_rejects_txl(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -11,8 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from crtn.checkpoint import load_checkpoint
+from crtn.checkpoint import checkpoint_config, load_checkpoint
+from crtn.config import train_config
+from crtn.model import build_model
+from crtn.model.summary import DEFAULT_NGRAM, DEFAULT_SHIFT
 from tests.helpers import TINY_RUN, cli
 
 TINY = TINY_RUN
@@ -52,6 +57,13 @@ def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
     assert any("valid_ppl" in r for r in records(run))
     ckpt = load_checkpoint(run / "checkpoints/last.pt")
     assert ckpt["step"] == 12 and ckpt["vocab"][0] == "<eos>"
+    # token_max's defaults are saved as the values used, not None, so the checkpoint keeps
+    # building this model if a default changes
+    assert ckpt["config"]["summary"]["name"] == "token_max"
+    assert (
+        ckpt["config"]["summary"]["ngram"] == DEFAULT_NGRAM
+        and ckpt["config"]["summary"]["shift"] == DEFAULT_SHIFT
+    )
     assert ckpt["states"][0][0]["cache"]["n_insert"] > 0  # rank 0, chunk 0: the cache state is saved
     # crtn-eval on the best checkpoint gives the valid and test metrics the run reported (the
     # run reuses best.pt's validation from training instead of repeating it)
@@ -70,6 +82,34 @@ def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
     for split in ("valid", "test"):
         assert ev[split]["loss"] == pytest.approx(res[split]["loss"], rel=1e-6)
     assert "test: ppl" in e.stdout
+
+
+def test_checkpoint_config_builds_the_model_it_was_trained_with():
+    """A checkpoint saved before token_max's ngram/shift keys existed loads with the behaviour it
+    was trained with (the single-state match, no shift), whatever today's defaults; a saved None
+    takes today's default; explicit values and other summaries are kept."""
+    base = OmegaConf.to_container(train_config(), resolve=True)
+    old = copy.deepcopy(base)
+    del old["summary"]["ngram"], old["summary"]["shift"]
+    cfg = checkpoint_config({"config": old})
+    assert (cfg.summary.ngram, cfg.summary.shift) == (1, 0)
+    model = build_model(cfg, 16)
+    assert (model.summary.ngram, model.summary.shift) == (1, 0)
+    none = checkpoint_config({"config": base})  # the schema saves None: today's defaults
+    assert (none.summary.ngram, none.summary.shift) == (
+        min(DEFAULT_NGRAM, base["model"]["tgt_len"]),
+        DEFAULT_SHIFT,
+    )
+    explicit = copy.deepcopy(base)
+    explicit["summary"].update(ngram=3, shift=1)
+    assert (
+        checkpoint_config({"config": explicit}).summary.ngram,
+        checkpoint_config({"config": explicit}).summary.shift,
+    ) == (3, 1)
+    other = copy.deepcopy(old)
+    other["summary"]["name"], other["query"]["strategy"] = "last_state", "token"
+    kept = checkpoint_config({"config": other})
+    assert kept.summary.ngram is None and kept.summary.shift is None  # not token_max: left alone
 
 
 def test_killed_run_resumes_bit_identically(tmp_path):

@@ -9,7 +9,9 @@ every scored repeat token (copy label > ``repeat_skip``), asks: is the copy sour
 next token inside one of the k segments selected for this token (a *hit*), and was the
 argmax prediction right? It prints the hit rate and accuracy by the token's position in
 its copy, by copy distance (in 32-token bins), by the position j in the segment (8-token
-bins), and the accuracy given a hit by the weight alpha of the segment that holds the
+bins), by the source's row in its cached segment ((j + 1 - distance) mod tgt_len: row 0 is
+where a match on the row before falls in the previous slot, README "Retrieval that
+scales"), and the accuracy given a hit by the weight alpha of the segment that holds the
 source (0.2-wide bins), plus the accuracy on misses.
 
 Raises SystemExit with one line when the checkpoint is not a crtn model on synthetic data.
@@ -28,7 +30,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     """Hit and accuracy counts over the scored repeat tokens of one split (see the module doc).
 
     Returns:
-        ``{"copy position" | "distance // 32" | "j // 8": {bin: [hits, correct, tokens]},
+        ``{"copy position" | "distance // 32" | "j // 8" | "source row": {bin: [hits, correct, tokens]},
         "alpha": {bin 0..4: [correct, tokens]} (hits only, alpha in [bin/5, (bin+1)/5)),
         "misses": {"all": [correct, tokens]}}``; counts are tokens, distances in tokens.
 
@@ -100,6 +102,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
         "copy position": table(c["label"], hit, ok),
         "distance // 32": table(c["gap"] // 32, hit, ok),
         "j // 8": table(c["j"] // 8, hit, ok),
+        "source row": table((c["j"] + 1 - c["gap"]) % L, hit, ok),
     }
     abin = (c["alpha"][hit] * 5).long().clamp(max=4)
     by_alpha = {b: [int(ok[hit][abin == b].sum()), int((abin == b).sum())] for b in range(5)}
@@ -117,7 +120,7 @@ def main() -> None:
     hits = sum(r[0] for r in t["j // 8"].values())
     total = sum(r[2] for r in t["j // 8"].values())
     print(f"{a.split}: {total:,} scored repeat tokens, source in a selected segment for {hits / total:.3f}")
-    for key in ("copy position", "distance // 32", "j // 8"):
+    for key in ("copy position", "distance // 32", "j // 8", "source row"):
         print(f"by {key}:")
         for b, (h, ok, n) in sorted(t[key].items()):
             print(f"  {b:>4}  hit {h / n:.3f}  acc {ok / n:.3f}  ({n:,} tokens)")

@@ -159,6 +159,11 @@ def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
             raise ConfigError(f"summary.ngram={ngram} applies to summary=token_max only, not {summary.name}")
     if ngram is not None and not 1 <= ngram <= model.tgt_len:
         raise ConfigError(f"summary.ngram={ngram} must be in 1..model.tgt_len ({model.tgt_len})")
+    shift = getattr(summary, "shift", None)
+    if shift is not None and shift not in (0, 1):
+        raise ConfigError(f"summary.shift={shift} must be 0 or 1")
+    if shift not in (None, 0) and not SUMMARIES[summary.name].row_keys:
+        raise ConfigError(f"summary.shift={shift} applies to summary=token_max only, not {summary.name}")
     if query.tanh and not STRATEGIES[query.strategy].learned:
         learned = "|".join(q for q, cls in STRATEGIES.items() if cls.learned)
         raise ConfigError(

@@ -335,8 +335,8 @@ class SegmentCache:
             keys = self.valid_keys()
             if score_fn is not None:
                 scores = score_fn(keys)  # [B, L, nv]
-            elif self.summary.ngram > 1:  # token_max's n-gram match: the rows before each slot too
-                scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.ngram - 1))
+            elif self.summary.lead_rows > 0:  # token_max's n-gram match: the rows before each slot too
+                scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.lead_rows))
             else:
                 scores = self.summary.score(query, keys)
             B, L = scores.shape[:2]

@@ -101,6 +101,7 @@ class CRTN(TransformerLM):
             tanh=summary.tanh,
             n_head=model.n_head,
             ngram=summary.ngram,
+            shift=summary.shift,
         )
         self.query = make_query(
             query.strategy, model.tgt_len, d_model=model.d_model, d_key=self.summary.d_query, tanh=query.tanh

@@ -64,12 +64,18 @@ class Summary(nn.Module):
     row_keys: bool = False
     length_bound: bool = False
     ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
+    shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
     ):
         super().__init__()
         self.seg_len, self.d_model, self.tanh, self.n_head = seg_len, d_model, tanh, n_head
+
+    @property
+    def lead_rows(self) -> int:
+        """Rows of the predecessor slot that the scores of a slot read: ngram - 1 + shift."""
+        return self.ngram - 1 + self.shift
 
     @property
     def d_key(self) -> int:
@@ -287,6 +293,8 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
 
 #: token_max's n-gram length when ``summary.ngram`` is None (README, "Retrieval that scales")
 DEFAULT_NGRAM = 4
+#: token_max's row shift when ``summary.shift`` is None (README, "Retrieval that scales")
+DEFAULT_SHIFT = 0
 
 
 class TokenMax(Summary):
@@ -311,6 +319,16 @@ class TokenMax(Summary):
     corpus a top-layer state mostly encodes its own token, so a single-state match confuses
     the copy source with every earlier use of the token, and more so the larger the cache;
     w aligned tokens make a chance match rare (README, "Retrieval that scales").
+
+    With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
+
+        score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-1-a}>
+
+    so the slot that wins holds the row that *follows* the matched n-gram: the token to be
+    copied next, which is what the attention must read. With s = 0 a match on a slot's last
+    row selects the slot before the one holding the next token (on the recall corpus, one
+    source position in L: retrieved 0.14 there against 0.97 elsewhere; README). The rows
+    before a slot then number w - 1 + s.
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
@@ -323,12 +341,16 @@ class TokenMax(Summary):
         tanh: bool = False,
         n_head: int = 1,
         ngram: int | None = None,
+        shift: int | None = None,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
         ngram = min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram
+        shift = DEFAULT_SHIFT if shift is None else shift
         if not 1 <= ngram <= seg_len:
             raise ValueError(f"summary.ngram={ngram} must be in 1..{seg_len} (tgt_len)")
-        self.ngram = ngram
+        if shift not in (0, 1):
+            raise ValueError(f"summary.shift={shift} must be 0 or 1")
+        self.ngram, self.shift = ngram, shift
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -351,20 +373,19 @@ class TokenMax(Summary):
 
     def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
-        ``lead`` [B, n, w-1, d] the rows before each slot (w > 1; SegmentCache._lead_in). The
-        lead-in is scored on its own and joined on the score axis, so the cached rows are read
-        in place (no copy of the key layer per step)."""
+        ``lead`` [B, n, w-1+s, d] the rows before each slot (s = shift; needed when w-1+s > 0;
+        SegmentCache._lead_in). The lead-in is scored on its own and joined on the score axis,
+        so the cached rows are read in place (no copy of the key layer per step)."""
         query, keys = self._map(query, keys)
-        B, N, Lk, d = keys.shape
-        rows = torch.bmm(query, keys.reshape(B, N * Lk, d).transpose(1, 2)).view(B, -1, N, Lk)
-        w = self.ngram
-        if w > 1:  # sum the w aligned diagonals: query j-a against row r-a
+        B, N, Ls, d = keys.shape
+        rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2)).view(B, -1, N, Ls)
+        w, n_lead = self.ngram, self.lead_rows
+        if n_lead > 0:  # sum the w aligned diagonals: query j-a against row r-shift-a
             assert lead is not None
             lead = lead.to(query.dtype) if self.proj_k is None else self.proj_k(lead.to(query.dtype))
-            before = torch.einsum("bqd,bnrd->bqnr", query, lead)  # [B, w-1+L, N, w-1]
-            rows = torch.cat([before, rows], -1)
-            Lk = rows.shape[-1]
-            Lq, Ls = rows.shape[1] - w + 1, Lk - w + 1
+            before = torch.einsum("bqd,bnrd->bqnr", query, lead)  # [B, w-1+L, N, w-1+s]
+            rows = torch.cat([before, rows], -1)  # column c: row c - n_lead of the slot
+            Lq = rows.shape[1] - w + 1
             rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
             rows = rows * (1.0 / w)
         return rows.amax(-1) * (1.0 / math.sqrt(self.d_key))
@@ -388,17 +409,22 @@ def make_summary(
     tanh: bool = False,
     n_head: int = 1,
     ngram: int | None = None,
+    shift: int | None = None,
 ) -> Summary:
     """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels;
-    ``ngram``: token_max's aligned tokens per score (None: :data:`DEFAULT_NGRAM`, at most seg_len).
+    ``ngram``: token_max's aligned tokens per score (None: :data:`DEFAULT_NGRAM`, at most seg_len);
+    ``shift``: token_max's row shift (None: :data:`DEFAULT_SHIFT`).
 
     Raises:
-        ValueError: unknown name, or ``ngram`` other than 1 for a summary other than token_max.
+        ValueError: unknown name, or ``ngram`` other than 1 or ``shift`` other than 0 for a
+            summary other than token_max.
     """
     if name not in SUMMARIES:
         raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
     if name == TokenMax.name:
-        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, ngram=ngram)
+        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, ngram=ngram, shift=shift)
     if ngram not in (None, 1):
         raise ValueError(f"summary.ngram={ngram} applies to summary=token_max only, not {name}")
+    if shift not in (None, 0):
+        raise ValueError(f"summary.shift={shift} applies to summary=token_max only, not {name}")
     return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
