@@ -35,6 +35,7 @@ from crtn.app import resolve_device, run_app
 from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.config import metric_name, uses_cache, validate_eval
 from crtn.data import load_corpus
+from crtn.data.synthetic import copy_roots
 from crtn.errors import CheckpointError, UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
 from crtn.utils import atomic_write_text
@@ -173,6 +174,7 @@ class _RecallSums:
         self.sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
         self.skip = corpus.info.get("repeat_skip", 0)
         self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
+        self.root_all = None if self.gap_all is None else copy_roots(self.gap_all)
         self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
         # repeat tokens: source in memory, cached, retrieved; all
         self.where = torch.zeros(5, dtype=torch.float64, device=device)
@@ -190,6 +192,7 @@ class _RecallSums:
                 state,
                 batch,
                 gap_all=self.gap_all,
+                root_all=self.root_all,
                 row_base=self.row_base,
                 repeat=masks["repeat"],
                 model=model,
@@ -243,6 +246,7 @@ def _source_location(
     state: Any,
     batch: Any,
     gap_all: torch.Tensor,
+    root_all: torch.Tensor,
     row_base: torch.Tensor,
     repeat: torch.Tensor,
     model: TransformerLM,
@@ -252,9 +256,10 @@ def _source_location(
     Returns [5] counts over ``repeat`` targets: source within the memory or current
     segment (reachable without retrieval), source in a cached slot, source in one of the
     token's retrieved slots, all repeat targets, and targets for which a retrieved slot
-    holds the source *or an earlier copy of the same text* (the source's own source, and
-    so on: a passage copied from a copy appears twice in a large cache, and either
-    occurrence lets the model copy). Positions are per-stream (SPEC §4).
+    holds *the same text*: the source or any other copy of the same original passage
+    (the source's own source, or another copy made from it; ``root_all``, see
+    :func:`copy_roots`). A passage copied more than once appears several times in a
+    large cache, and any occurrence lets the model copy. Positions are per-stream (SPEC §4).
     """
     L = batch.input.shape[1]
     t0 = batch.index * model.tgt_len
@@ -272,21 +277,19 @@ def _source_location(
         pos = t0 - out.selection.age  # [B, L, k]
         hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
         counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
-        chain_hit = hit.clone()
-        for _ in range(_COPY_CHAIN):  # follow the copy chain back: src - gap[src]
-            g = gap_all[(row_base + src.clamp(min=0)).clamp(max=gap_all.numel() - 1)].long()
-            src = torch.where((g > 0) & (src >= 0), src - g, torch.full_like(src, -1))
-            chain_hit |= (src >= 0) & ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
-        chain = (chain_hit & repeat).sum()
+        # the same text: a row of a selected slot with the source's root
+        flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
+        want = root_all[flat_src.clamp(min=0)]
+        rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
+            max=root_all.numel() - 1
+        )  # [B, L, k, seg] split index of each row of the selected slots
+        same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
+        chain = ((hit | same) & repeat).sum()
     else:
         counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
         chain = torch.zeros((), device=repeat.device, dtype=torch.long)
     counts += [repeat.sum(), chain]
     return torch.stack(counts).double()
-
-
-#: earlier copies followed back from a copied token's source (``copy_retrieved``)
-_COPY_CHAIN = 8
 
 
 def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -308,7 +311,7 @@ def format_metrics(m: dict[str, Any]) -> str:
             src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
             hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
             if "copy_retrieved" in e:
-                hit += f" (a copy {e['copy_retrieved']:.2f})"
+                hit += f" (or a copy {e['copy_retrieved']:.2f})"
             parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
     return " | ".join(parts)
 

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from crtn.config import DataConfig, SyntheticConfig
 from crtn.data import StreamIterator, load_corpus, make_synthetic
+from crtn.data.synthetic import copy_roots
 from crtn.errors import ConfigError
 from tests.helpers import TEST_SYNTHETIC
 
@@ -250,3 +251,25 @@ def test_default_config_through_load_corpus_is_fast():
 def test_config_errors(override, key):
     with pytest.raises(ConfigError, match=key.split(",")[0]):
         make_synthetic(small(**override))
+
+
+def test_copy_roots_follow_copies_of_copies_by_hand():
+    """Token 3 copies 1; 4 copies 2; 6 copies 3 (itself a copy of 1) and 7 copies 4 (of 2):
+    the roots are where each text was first drawn."""
+    gap = torch.tensor([0, 0, 0, 2, 2, 0, 3, 3])
+    assert copy_roots(gap).tolist() == [0, 1, 2, 1, 2, 5, 1, 2]
+
+
+def test_copy_roots_agree_with_following_gaps_one_by_one(corpus):
+    """On a generated split, against the chain followed token by token; the split has copies
+    of copies, so the chain is followed more than one step."""
+    gap = corpus.repeat_gap["valid"].long()
+    roots, g = copy_roots(gap).tolist(), gap.tolist()
+    for i in range(len(g)):
+        p = i
+        while g[p] > 0:
+            p -= g[p]
+        assert roots[i] == p
+    assert sum(r != i for i, r in enumerate(roots)) > 0 and any(
+        g[i - g[i]] > 0 for i in range(len(g)) if g[i] > 0
+    )

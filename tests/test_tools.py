@@ -45,7 +45,9 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
         assert correct == round(valid["acc"] * n)
         assert hits == round(valid["source_retrieved"] * n)
     assert 0 < hits < n  # both outcomes occur, so the comparison says something
-    assert t["copy hits"] == round(valid["copy_retrieved"] * n) > hits  # earlier copies are found too
+    assert (
+        t["copy hits"] == round(valid["copy_retrieved"] * n) > hits
+    )  # other copies of the text are found too
     ok_hit = sum(ok for ok, _ in t["alpha"].values())
     ok_miss, n_miss = t["misses"]["all"]
     assert n_miss == n - hits and ok_hit + ok_miss == correct

@@ -32,7 +32,9 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     Returns:
         ``{"copy position" | "distance // 32" | "j // 8" | "source row": {bin: [hits, correct, tokens]},
         "alpha": {bin 0..4: [correct, tokens]} (hits only, alpha in [bin/5, (bin+1)/5)),
-        "misses": {"all": [correct, tokens]}}``; counts are tokens, distances in tokens.
+        "misses": {"all": [correct, tokens]}, "copy hits": tokens for which a selected slot
+        holds the same text (the source or any other copy of the same original)}``; counts
+        are tokens, distances in tokens.
 
     Raises:
         SystemExit: the checkpoint is not a crtn model trained on ``data=synthetic``.
@@ -57,6 +59,15 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     labels, gaps = corpus.labels[split].long(), corpus.repeat_gap[split].long()
     skip = corpus.info.get("repeat_skip", 0)
     n = it.stream_len
+
+    gap_list = gaps.tolist()
+
+    def original(i: int) -> int:
+        """Split index where the text of token i was first drawn: copies followed back one by one."""
+        while gap_list[i] > 0:
+            i -= gap_list[i]
+        return i
+
     cols: dict[str, list[Tensor]] = {k: [] for k in ("label", "gap", "j", "hit", "ok", "alpha", "chain")}
     state = None
     with torch.no_grad():
@@ -76,17 +87,14 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
                 start = t0 - out.selection.age  # [B, T, k] first stream position of each selected slot
                 inside = (start <= src[..., None]) & (src[..., None] < start + L)  # a slot holds L positions
                 hit, alpha = inside.any(-1), (out.selection.alpha * inside).sum(-1)
-            chain = hit.clone()  # the source or an earlier copy of it in a selected slot
+            chain = hit.clone()  # the same text (the source or another copy of it) in a selected slot
             if out.selection is not None:
-                for b, t in zip(*torch.nonzero(~hit, as_tuple=True), strict=True):
-                    p, starts = int(src[b, t]), [int(s) for s in start[b, t]]
-                    for _ in range(8):  # crtn-eval follows the chain 8 copies back
-                        if p < 0 or int(gaps[b * n + p]) == 0:
-                            break
-                        p -= int(gaps[b * n + p])
-                        if p >= 0 and any(s <= p < s + L for s in starts):
-                            chain[b, t] = True
-                            break
+                for b, t in zip(*torch.nonzero(~hit & (lab > skip), as_tuple=True), strict=True):
+                    if b * n + int(src[b, t]) < 0:
+                        continue
+                    want = original(b * n + int(src[b, t]))
+                    rows = (b * n + s + r for s in start[b, t].tolist() for r in range(L))
+                    chain[b, t] = any(original(i) == want for i in rows)
             m = lab > skip
             for k, v in zip(cols, (lab, gap, j, hit, ok, alpha, chain), strict=True):
                 cols[k].append(v[m])
@@ -120,6 +128,9 @@ def main() -> None:
     hits = sum(r[0] for r in t["j // 8"].values())
     total = sum(r[2] for r in t["j // 8"].values())
     print(f"{a.split}: {total:,} scored repeat tokens, source in a selected segment for {hits / total:.3f}")
+    print(
+        f"the same text (the source or another copy of it) in a selected segment for {t['copy hits'] / total:.3f}"
+    )
     for key in ("copy position", "distance // 32", "j // 8", "source row"):
         print(f"by {key}:")
         for b, (h, ok, n) in sorted(t[key].items()):

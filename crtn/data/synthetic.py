@@ -303,3 +303,17 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         info=info,
         source=source,
     )
+
+
+def copy_roots(gap: torch.Tensor) -> torch.Tensor:
+    """The original of every token of a synthetic split: ``gap`` [n] (copy distance of each
+    token, 0 for a token not copied; SPEC §4) -> [n] index of the token that its text was
+    first drawn at, following copies of copies back (i - gap[i], and so on). Two tokens
+    hold the same copied text exactly when their roots are equal."""
+    idx = torch.arange(gap.numel(), device=gap.device)
+    root = torch.where(gap > 0, (idx - gap.long()).clamp(min=0), idx)
+    while True:  # pointer jumping: each pass doubles the copy chain followed
+        nxt = root[root]
+        if torch.equal(nxt, root):
+            return root
+        root = nxt

@@ -294,7 +294,7 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
 #: token_max's n-gram length when ``summary.ngram`` is None (README, "Retrieval that scales")
 DEFAULT_NGRAM = 4
 #: token_max's row shift when ``summary.shift`` is None (README, "Retrieval that scales")
-DEFAULT_SHIFT = 0
+DEFAULT_SHIFT = 1
 
 
 class TokenMax(Summary):
