@@ -161,10 +161,12 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     was trained with after a default changes: a key missing from a config saved before the
     key existed takes its earlier behaviour (ngram 1, shift 0), and None takes today's
     default (:data:`crtn.model.summary.DEFAULT_NGRAM`, at most tgt_len, and ``DEFAULT_SHIFT``).
-    Configs of other summaries, or without a ``summary`` section, are returned unchanged.
+    Configs of other models than crtn (Transformer-XL keeps the schema's unused ``summary``
+    node as it is), of other summaries, or without a ``summary`` section are returned unchanged.
     """
     summary = config.get("summary")
-    if not isinstance(summary, dict) or summary.get("name") != TokenMax.name:
+    model_name = (config.get("model") or {}).get("name")
+    if model_name != "crtn" or not isinstance(summary, dict) or summary.get("name") != TokenMax.name:
         return config
     tgt_len = (config.get("model") or {}).get("tgt_len") or DEFAULT_NGRAM
     today = {"ngram": min(DEFAULT_NGRAM, tgt_len), "shift": DEFAULT_SHIFT}

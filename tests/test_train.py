@@ -110,6 +110,10 @@ def test_checkpoint_config_builds_the_model_it_was_trained_with():
     other["summary"]["name"], other["query"]["strategy"] = "last_state", "token"
     kept = checkpoint_config({"config": other})
     assert kept.summary.ngram is None and kept.summary.shift is None  # not token_max: left alone
+    txl = copy.deepcopy(base)
+    txl["model"]["name"] = "txl"  # e.g. crtn-convert's output: the summary node is unused
+    txl_cfg = checkpoint_config({"config": txl})
+    assert txl_cfg.summary.ngram is None and txl_cfg.summary.shift is None
 
 
 def test_killed_run_resumes_bit_identically(tmp_path):
