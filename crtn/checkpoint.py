@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from crtn.config import train_config
 from crtn.errors import CheckpointError
-from crtn.model.summary import DEFAULT_NGRAM, DEFAULT_SHIFT, TokenMax
+from crtn.model.summary import TokenMax, token_max_defaults
 from crtn.utils import atomic_write
 
 log = logging.getLogger("crtn.checkpoint")
@@ -168,8 +168,8 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     model_name = (config.get("model") or {}).get("name")
     if model_name != "crtn" or not isinstance(summary, dict) or summary.get("name") != TokenMax.name:
         return config
-    tgt_len = (config.get("model") or {}).get("tgt_len") or DEFAULT_NGRAM
-    today = {"ngram": min(DEFAULT_NGRAM, tgt_len), "shift": DEFAULT_SHIFT}
+    ngram, shift = token_max_defaults(None, None, config["model"]["tgt_len"])
+    today = {"ngram": ngram, "shift": shift}
     filled = dict(summary)
     for key, before in _TOKEN_MAX_BEFORE_KEY.items():
         if key not in filled:

@@ -283,8 +283,9 @@ def _source_location(
         rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
             max=root_all.numel() - 1
         )  # [B, L, k, seg] split index of each row of the selected slots
+        # a direct hit is one of these: the source row has the source's root
         same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
-        chain = ((hit | same) & repeat).sum()
+        chain = (same & repeat).sum()
     else:
         counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
         chain = torch.zeros((), device=repeat.device, dtype=torch.long)

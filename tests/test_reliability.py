@@ -68,6 +68,14 @@ def kill_before_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
 
 
+def train_killed(monkeypatch, cfg, run_dir: Path, step: int) -> None:
+    """Train ``cfg`` in ``run_dir`` and kill the process's training before ``step``."""
+    with monkeypatch.context() as m:
+        kill_before_step(m, step)
+        with pytest.raises(Killed):
+            train_in(cfg, run_dir)
+
+
 # ---------------------------------------------------------------------- exact resume, refusals
 def test_resume_restores_the_running_loss_sum(tmp_path, monkeypatch):
     """log_interval=2 does not divide checkpoint_interval=3: the record of step 10 after a kill
@@ -76,10 +84,7 @@ def test_resume_restores_the_running_loss_sum(tmp_path, monkeypatch):
     cfg = cfg_of(*args, "train.checkpoint_interval=3")
     train_in(cfg, tmp_path / "full")
     part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        kill_before_step(m, 10)
-        with pytest.raises(Killed):
-            train_in(cfg, part)
+    train_killed(monkeypatch, cfg, part, 10)
     assert load_checkpoint(part / "checkpoints/last.pt")["loss_n"] == 1  # step 9, not yet logged
     assert max(r["step"] for r in records(part)) == 8
     train_in(cfg, part)
@@ -430,10 +435,7 @@ def test_resume_drops_a_torn_metrics_record(tmp_path, monkeypatch):
     cfg = cfg_of("train.max_step=6", "train.log_interval=1", "train.checkpoint_interval=3")
     train_in(cfg, tmp_path / "full")
     part = tmp_path / "part"
-    with monkeypatch.context() as m:
-        kill_before_step(m, 5)
-        with pytest.raises(Killed):
-            train_in(cfg, part)
+    train_killed(monkeypatch, cfg, part, 5)
     with open(part / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "train_lo')
     train_in(cfg, part)

@@ -102,10 +102,8 @@ def test_checkpoint_config_builds_the_model_it_was_trained_with():
     )
     explicit = copy.deepcopy(base)
     explicit["summary"].update(ngram=3, shift=1)
-    assert (
-        checkpoint_config({"config": explicit}).summary.ngram,
-        checkpoint_config({"config": explicit}).summary.shift,
-    ) == (3, 1)
+    kept_explicit = checkpoint_config({"config": explicit}).summary
+    assert (kept_explicit.ngram, kept_explicit.shift) == (3, 1)
     other = copy.deepcopy(old)
     other["summary"]["name"], other["query"]["strategy"] = "last_state", "token"
     kept = checkpoint_config({"config": other})

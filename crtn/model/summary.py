@@ -297,6 +297,15 @@ DEFAULT_NGRAM = 4
 DEFAULT_SHIFT = 1
 
 
+def token_max_defaults(ngram: int | None, shift: int | None, seg_len: int) -> tuple[int, int]:
+    """token_max's (ngram, shift) with None replaced by the defaults: :data:`DEFAULT_NGRAM`
+    (at most ``seg_len``, tokens) and :data:`DEFAULT_SHIFT` (rows). No validation here."""
+    return (
+        min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram,
+        DEFAULT_SHIFT if shift is None else shift,
+    )
+
+
 class TokenMax(Summary):
     """Keys keep all L rows; score(q, slot) = max over rows of <q, row> / sqrt(d_key).
 
@@ -344,8 +353,7 @@ class TokenMax(Summary):
         shift: int | None = None,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        ngram = min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram
-        shift = DEFAULT_SHIFT if shift is None else shift
+        ngram, shift = token_max_defaults(ngram, shift, seg_len)
         if not 1 <= ngram <= seg_len:
             raise ValueError(f"summary.ngram={ngram} must be in 1..{seg_len} (tgt_len)")
         if shift not in (0, 1):
