@@ -32,7 +32,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.config import APP_SCHEMAS, register_configs
@@ -187,6 +187,32 @@ def check_keys(cfg: Any, schema: type) -> None:
     if found:
         more = f"; also {', '.join(repr(k) for k in found[1:])}" if len(found) > 1 else ""
         raise ConfigError(f"unknown key {found[0]!r} (not in the schema){more}")
+
+
+def given_keys(cfg: Any, section: str) -> dict[str, Any]:
+    """The keys of ``section`` (``cache``, ``data``, ``model``...) that this job's command line set
+    (Hydra's task overrides: ``cache.backend=faiss``, ``data=ptb``, a sweep's ``cache.n_slot=8``),
+    with their composed values, as a nested dict. Used where an app's group replaces only what the
+    user gave (crtn-eval's ``cache.*`` over a checkpoint's, crtn-convert's ``model.*`` over what the
+    source implies); the app's schema has already checked names and types.
+    """
+    out: dict[str, Any] = {}
+    for item in HydraConfig.get().overrides.task:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key != section and not key.startswith(section + "."):
+            continue
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if key == section:
+            out.update(value or {})
+            continue
+        *path, leaf = key.split(".")[1:]
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def run_app(

@@ -4,7 +4,7 @@ A checkpoint is a ``torch.save`` dict::
 
     format      "crtn-checkpoint"
     version     1
-    config      the full training config (plain dict, resolved)
+    config      the run spec (crtn.config.spec_dict of the resolved spec: every default filled)
     vocab       list of symbols (index -> symbol) or None
     model       model.state_dict()
     # training checkpoints only (crtn-train):
@@ -31,11 +31,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from crtn.config import train_config
+from crtn.config import RunSpec, load_spec
 from crtn.errors import CheckpointError
-from crtn.model.summary import TokenMax, token_max_defaults
 from crtn.utils import atomic_write
 
 log = logging.getLogger("crtn.checkpoint")
@@ -139,44 +137,15 @@ def unreadable(path: Path, e: BaseException) -> str:
     return f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})"
 
 
-def checkpoint_config(ckpt: dict[str, Any]) -> Any:
-    """The training config saved in ``ckpt`` as a typed OmegaConf node: ``crtn-train``'s
-    schema (:class:`crtn.config.TrainAppConfig`) with the saved values merged in, so keys
-    added to the schema after the checkpoint was written take their defaults.
+def checkpoint_spec(ckpt: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunSpec:
+    """The run spec a checkpoint was trained with (:func:`crtn.config.load_spec`: a config saved by
+    an earlier version is upgraded, keys added to the schema since take their defaults), with
+    ``overrides`` (nested dict, e.g. evaluation-time ``cache.*``) merged in and resolved.
 
     Raises:
-        omegaconf.errors.ValidationError: a saved value does not fit the schema.
+        ConfigError: a saved value or an override that the schema or the rules refuse.
     """
-    return OmegaConf.merge(train_config(), effective_config(ckpt["config"]))
-
-
-#: token_max keys added to the schema after checkpoints existed, with the value that a
-#: checkpoint saved before the key existed was trained with (the behaviour before it)
-_TOKEN_MAX_BEFORE_KEY = {"ngram": 1, "shift": 0}
-
-
-def effective_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a training config (plain dict, as saved in checkpoints) with token_max's
-    ``summary.ngram`` and ``summary.shift`` written out, so a checkpoint builds the model it
-    was trained with after a default changes: a key missing from a config saved before the
-    key existed takes its earlier behaviour (ngram 1, shift 0), and None takes today's
-    default (:data:`crtn.model.summary.DEFAULT_NGRAM`, at most tgt_len, and ``DEFAULT_SHIFT``).
-    Configs of other models than crtn (Transformer-XL keeps the schema's unused ``summary``
-    node as it is), of other summaries, or without a ``summary`` section are returned unchanged.
-    """
-    summary = config.get("summary")
-    model_name = (config.get("model") or {}).get("name")
-    if model_name != "crtn" or not isinstance(summary, dict) or summary.get("name") != TokenMax.name:
-        return config
-    ngram, shift = token_max_defaults(None, None, config["model"]["tgt_len"])
-    today = {"ngram": ngram, "shift": shift}
-    filled = dict(summary)
-    for key, before in _TOKEN_MAX_BEFORE_KEY.items():
-        if key not in filled:
-            filled[key] = before
-        elif filled[key] is None:
-            filled[key] = today[key]
-    return {**config, "summary": filled}
+    return load_spec(ckpt["config"], overrides)
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,178 +1,57 @@
-"""Structured configs: the schema of every Hydra config group, and validation.
+"""The config schema of every app, and the one resolve step that turns a composed config into a
+frozen, fully resolved run spec.
 
-The dataclasses below are registered in Hydra's ConfigStore and sit first in
-the defaults list of ``conf/train.yaml`` (and of the other primary configs), so
-the YAML files of each group (``conf/model/*.yaml``, ``conf/data/*.yaml``, ...)
-are merged into typed, struct-mode nodes: an unknown key or a value of the wrong
-type is rejected by Hydra before any work starts. :func:`validate` then checks
-the relations between values (SPEC §3, §4) and raises :class:`ConfigError`
-with a one-line message naming the key.
+The schema is a tree of frozen dataclasses: the model's four groups
+(:mod:`crtn.model.spec`), the data group (:mod:`crtn.data.spec`) and, here, ``optim``,
+``train``, ``eval`` and the roots of the apps. They are registered in Hydra's ConfigStore and
+sit first in the defaults list of ``conf/train.yaml`` (and of the other primary configs), so the
+YAML files of each group (``conf/model/*.yaml``, ``conf/data/*.yaml``, ...) are merged into
+typed, struct-mode nodes: an unknown key or a value of the wrong type is rejected by Hydra before
+any work starts. Every default is written once, in these dataclasses.
 
-Names follow the Transformer-XL release (``n_layer``, ``d_model``, ``tgt_len``,
-``mem_len``, ``clamp_len``, ``cutoffs``, ``div_val``, ...) and SPEC §1 for the
-cache (``n_slot``, ``top_k``, ``d_key``).
+:func:`resolve` then makes the run spec: every derived default filled (``None`` where a field
+says "None: ..."), every rule checked once, by the part that owns it (the registered model,
+query strategy and summary: :func:`crtn.model.resolve_spec`; the corpus:
+:func:`crtn.data.corpus.resolve_data`; training: :func:`resolve_training`; evaluation-time
+settings: :func:`resolve_eval`), with a :class:`ConfigError` naming the key. The run spec is what
+``crtn-train`` runs, what its checkpoints store, and what evaluation, generation and the
+benchmark rebuild models from (:func:`load_spec`).
+
+Names follow the Transformer-XL release (``n_layer``, ``d_model``, ``tgt_len``, ``mem_len``,
+``clamp_len``, ``cutoffs``, ``div_val``, ...) and docs/method.md §1 for the cache (``n_slot``,
+``top_k``, ``d_key``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from crtn.errors import ConfigError
+from crtn.data.corpus import resolve_data
+from crtn.data.spec import CHAR_DATASETS, DATASETS, DataSpec, SyntheticSpec, data_level, metric_name  # noqa: F401
+from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
-from crtn.model import dependency_range, model_class, valid_pairs, valid_summaries, validate_model  # noqa: F401  (re-exported)
+from crtn.model import dependency_range, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
+from crtn.model import evaluation_spec as _evaluation_spec
+from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
 from crtn.optim import validate_training
 
 # the names of the registered models, query strategies and summaries (crtn/model/)
 MODELS = tuple(MODEL_CLASSES)
 STRATEGIES = tuple(STRATEGY_CLASSES)
 SUMMARIES = tuple(SUMMARY_CLASSES)
-WINDOW_STRATEGIES = tuple(q for q, cls in STRATEGY_CLASSES.items() if cls.kind == "window")
-# SPEC §3, "Summaries": which summaries each query kind may be paired with.
-WINDOW_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "window" in cls.kinds)
-TOKEN_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "token" in cls.kinds)
-#: Every value of ``data.name``.
-DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
-#: Character-level corpora (metric bpc); ``text`` is either, by ``data.level``.
-CHAR_DATASETS = ("enwik8", "text8")
 SCHEDULERS = ("cosine", "inv_sqrt", "constant")
 
 
-@dataclass
-class ModelConfig:
-    """Transformer hyper-parameters shared by ``vanilla``, ``txl`` and ``crtn`` (SPEC §1-2)."""
-
-    name: str = "crtn"  # vanilla | txl | crtn
-    n_layer: int = 3
-    n_head: int = 4
-    d_model: int = 128
-    d_head: int = 32
-    d_inner: int = 256
-    d_embed: int | None = None  # None: d_model
-    dropout: float = 0.0
-    dropatt: float = 0.0
-    # regularisation of the CRTN authors' recipe (off by default; see crtn/model/dropout.py)
-    dropemb: float = 0.0  # word dropout: whole word types (embedding rows) dropped per forward call
-    dropinp: float | None = None  # dropout on word and position embeddings; None: dropout
-    dropfor: float | None = None  # dropout inside the feed-forward; None: dropout
-    dropatt_out: float | None = None  # dropout on the attention output; None: dropout
-    locked_dropout: bool = False  # variational dropout (one mask per sequence) except dropatt/dropemb
-    tgt_len: int = 32  # L: tokens predicted per step
-    mem_len: int = II("model.tgt_len")  # m: short-term memory, positions per layer; one segment by default
-    clamp_len: int = -1  # relative distances above this use clamp_len's embedding; -1: none
-    same_length: bool = False
-    pre_lnorm: bool = False
-    untie_r: bool = False  # a pair of biases u, v per layer instead of one shared pair
-    cutoffs: list[int] = field(default_factory=list)  # adaptive input/softmax cluster bounds
-    div_val: int = 1
-    tie_weight: bool = True
-    tie_projs: list[bool] | None = None  # None: [False] + [True] * len(cutoffs)
-    init_std: float = 0.02
-    proj_init_std: float = 0.01
-    layer_norm_eps: float = 1e-5
-    # attention without retrieved rows through F.scaled_dot_product_attention, the relative-position
-    # term passed as its additive mask (same results; fused kernels where the backend has them)
-    sdpa: bool = False
-
-
-@dataclass
-class CacheConfig:
-    """The key-value cache of past segments (SPEC §3)."""
-
-    n_slot: int = 8  # N: past segments held per batch row
-    top_k: int = 2  # k: segments retrieved per query token
-    alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
-    theta: float = 1.0  # temperature multiplying the retrieval scores before the softmax
-    weighted: bool = True  # values scaled by alpha (keys never are)
-    pos: str = "concat"  # concat | real: relative positions of retrieved segments
-    backend: str = "torch"  # torch | faiss
-    faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
-    hnsw_m: int = 32
-    hnsw_ef_search: int = 128
-    hnsw_ef_construction: int = 64
-    renew: str = "fifo"  # fifo | least_used | discard_worst
-    layers: int | None = None  # retrieval in the top `layers` layers only; None: all (the paper)
-    key_layer: int | None = (
-        None  # hidden layer of keys and queries (0 emb .. n top); None: top, or below `layers`
-    )
-    dtype: str | None = None  # storage of cached values: None (the model's) | float32 | float16 | bfloat16
-    # evaluation: keep each slot's projected keys and values too (exact; 2.6x the cache's memory
-    # for 1.04-1.07x eval tokens/s on 2 CPU cores, issue 15); the memory's are always kept
-    eval_kv: bool = False
-
-
-@dataclass
-class QueryConfig:
-    """How each token's query is built (SPEC §3, "Query strategies")."""
-
-    strategy: str = "token"
-    detach: bool = False  # stop gradients from the retrieval weights into the query pass
-    tanh: bool = False  # tanh on the queries (strategies with their own weights: linear, single_linear)
-
-
-@dataclass
-class SummaryConfig:
-    """Summary of an L x d block into a key or query (SPEC §3, "Summaries")."""
-
-    name: str = "token_max"  # the default of query=token; each conf/query option selects its own
-    # linear: output width (None: d_model; conf/summary/linear.yaml: 128); token_max: a learned map
-    # of queries and rows to d_key (None: none)
-    d_key: int | None = None
-    tanh: bool = False  # linear only
-    # token_max: a token and the ngram-1 before it matched against aligned rows (an n-gram
-    # match; 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (4, at most
-    # tgt_len). README, "Retrieval that scales"
-    ngram: int | None = None
-    # token_max: 1 keys each row by the ngram rows before it, so the slot that wins holds the token
-    # that follows the match (the one to copy); 0: by the row itself and the ngram-1 before it;
-    # None: crtn.model.summary.DEFAULT_SHIFT. README, "Retrieval that scales"
-    shift: int | None = None
-
-
-@dataclass
-class SyntheticConfig:
-    """The passage-recall corpus (SPEC §4)."""
-
-    vocab_size: int = 512
-    branching: int = 16  # successors per symbol in the sparse Markov source
-    concentration: float = 1.0  # Dirichlet concentration of the successor probabilities
-    passage_len: int = 16  # P
-    doc_passages: int = 64  # passages per document
-    p_repeat: float = 0.5  # probability that a passage copies an earlier one
-    min_gap: int = 160  # tokens between the copied passage and its copy, at least
-    max_gap: int = 256  # ... and at most
-    train_tokens: int = 2_000_000
-    valid_tokens: int = 65_536
-    test_tokens: int = 65_536
-    seed: int = 1234
-    repeat_skip: int = 4  # first tokens of each repeat left out of the repeat metrics
-
-
-@dataclass
-class DataConfig:
-    """Which corpus, where it lives, and how it is batched (SPEC §4)."""
-
-    name: str = "synthetic"  # wt2 | wt103 | ptb | enwik8 | text8 | text | synthetic
-    root: str = "data"  # folder holding the corpus folders (see conf/data/*.yaml)
-    dir: str | None = None  # corpus folder under root, e.g. wikitext-2
-    path: str | None = None  # name=text: the UTF-8 file
-    level: str = "word"  # name=text: word | char
-    split: list[float] = field(default_factory=lambda: [0.9, 0.05, 0.05])  # name=text
-    cache_dir: str | None = None  # vocabulary/encoding cache; None: beside the data
-    batch_size: int = 16
-    eval_batch_size: int = 16  # conf/data options of real corpora: 10
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-
-
-@dataclass
-class OptimConfig:
-    """Adam with warm-up and a schedule, gradient clipping (SPEC §5)."""
+@dataclass(frozen=True)
+class OptimSpec:
+    """Adam with warm-up and a schedule, gradient clipping (docs/method.md §5)."""
 
     name: str = "adam"
     lr: float = 1e-3
@@ -186,9 +65,13 @@ class OptimConfig:
     # tied weights) relative to lr; the CRTN authors' --emb_mult (crtn/optim.py)
     emb_lr_mult: float = 1.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):
+            object.__setattr__(self, "betas", tuple(self.betas))
 
-@dataclass
-class TrainConfig:
+
+@dataclass(frozen=True)
+class TrainSpec:
     """Length, logging, evaluation and checkpointing of a training run."""
 
     max_step: int = 1500
@@ -218,9 +101,10 @@ class TrainConfig:
     tensorboard: bool = False
 
 
-@dataclass
-class EvalConfig:
-    """Evaluation-time overrides (SPEC §5): a longer memory and a larger cache than in training."""
+@dataclass(frozen=True)
+class EvalSpec:
+    """Evaluation-time settings (docs/method.md §5): a longer memory and a larger cache than in
+    training. None: the trained value (``batch_size``: ``data.eval_batch_size``)."""
 
     tgt_len: int | None = None
     mem_len: int | None = None
@@ -228,66 +112,48 @@ class EvalConfig:
     same_length: bool | None = None
     n_slot: int | None = None
     top_k: int | None = None
-    batch_size: int | None = None  # None: data.eval_batch_size
-    max_step: int | None = None  # evaluate only the first max_step segments
+    batch_size: int | None = None
+    max_step: int | None = None  # evaluate only the first max_step segments; None: all
 
 
-@dataclass
-class TrainAppConfig:
-    """Root of ``crtn-train``'s config (``conf/train.yaml``)."""
+@dataclass(frozen=True)
+class RunSpec:
+    """Root of ``crtn-train``'s config (``conf/train.yaml``); resolved (:func:`resolve`), the run spec."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    query: QueryConfig = field(default_factory=QueryConfig)
-    summary: SummaryConfig = field(default_factory=SummaryConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    query: QuerySpec = field(default_factory=QuerySpec)
+    summary: SummarySpec = field(default_factory=SummarySpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     seed: int = 1111
     init_from: str | None = None  # a crtn checkpoint (e.g. from crtn-convert) to start from
 
-
-@dataclass
-class CacheOverrides:
-    """Eval-time overrides of a checkpoint's cache node (null: keep the trained value)."""
-
-    backend: str | None = None
-    faiss_index: str | None = None
-    hnsw_m: int | None = None
-    hnsw_ef_search: int | None = None
-    hnsw_ef_construction: int | None = None
-    alpha_norm: str | None = None
-    dtype: str | None = None
+    def evaluation(self) -> Spec:
+        """The model spec of evaluation: the run's with ``eval.*`` applied
+        (:func:`crtn.model.evaluation_spec`)."""
+        return _evaluation_spec(model_specs(self), self.eval)
 
 
-@dataclass
-class DataOverrides:
-    """Eval-time overrides of a checkpoint's data node (null: keep the trained value)."""
-
-    root: str | None = None
-    dir: str | None = None
-    path: str | None = None
-    cache_dir: str | None = None
-    eval_batch_size: int | None = None
-
-
-@dataclass
-class EvalAppConfig:
-    """Root of ``crtn-eval``'s config (``conf/eval.yaml``)."""
+@dataclass(frozen=True)
+class EvalAppSpec:
+    """Root of ``crtn-eval``'s config (``conf/eval.yaml``). ``cache.*`` and ``data.*`` keys given on
+    the command line replace the checkpoint's (:func:`crtn.app.given_keys`); the others keep it."""
 
     checkpoint: str = MISSING
     splits: list[str] = field(default_factory=lambda: ["valid", "test"])
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    cache: CacheOverrides = field(default_factory=CacheOverrides)
-    data: DataOverrides = field(default_factory=DataOverrides)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    data: DataSpec = field(default_factory=DataSpec)
     device: str = "cpu"
     progress: bool = True
 
 
-@dataclass
-class GenerateAppConfig:
-    """Root of ``crtn-generate``'s config (``conf/generate.yaml``)."""
+@dataclass(frozen=True)
+class GenerateAppSpec:
+    """Root of ``crtn-generate``'s config (``conf/generate.yaml``); ``cache.*``/``data.*`` as crtn-eval's."""
 
     checkpoint: str = MISSING
     prompt: str = ""  # the text to continue; empty: start after an <eos> (word level)
@@ -298,58 +164,52 @@ class GenerateAppConfig:
     seed: int = 1111
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     out: str | None = None  # also write a JSON record (prompt, ids, text, settings) here
-    eval: EvalConfig = field(default_factory=EvalConfig)  # eval-time lengths, as crtn-eval
-    cache: CacheOverrides = field(default_factory=CacheOverrides)
-    data: DataOverrides = field(default_factory=DataOverrides)  # where the corpus is (vocab fallback)
+    eval: EvalSpec = field(default_factory=EvalSpec)  # eval-time lengths, as crtn-eval
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    data: DataSpec = field(default_factory=DataSpec)  # where the corpus is (vocab fallback)
 
 
-@dataclass
-class ModelOverrides:
-    """``model.KEY=VALUE`` of ``crtn-convert``: null keeps what the source says (or implies)."""
-
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    d_head: int | None = None
-    d_inner: int | None = None
-    d_embed: int | None = None
-    dropout: float | None = None
-    dropatt: float | None = None
-    tgt_len: int | None = None
-    mem_len: int | None = None
-    clamp_len: int | None = None
-    same_length: bool | None = None
-    pre_lnorm: bool | None = None
-    untie_r: bool | None = None
-    cutoffs: list[int] | None = None
-    div_val: int | None = None
-    tie_weight: bool | None = None
-    tie_projs: list[bool] | None = None
-    init_std: float | None = None
-    proj_init_std: float | None = None
-    layer_norm_eps: float | None = None
-
-
-@dataclass
-class ConvertAppConfig:
-    """Root of ``crtn-convert``'s config (``conf/convert.yaml``)."""
+@dataclass(frozen=True)
+class ConvertAppSpec:
+    """Root of ``crtn-convert``'s config (``conf/convert.yaml``); ``model.KEY=VALUE`` on the command
+    line overrides what the source says or implies."""
 
     src: str = MISSING  # HF TransfoXLLMHeadModel folder, or a release model.pt / state_dict file
     out: str = MISSING  # output folder: model.pt, model/converted.yaml, convert.log
     vocab: str | None = None  # vocabulary file: one symbol per line (first field), id order
     format: str = "auto"  # auto | hf | release
     trust_pickle: bool = False  # allow unpickling a whole MemTransformerLM module (runs its code)
-    model: ModelOverrides = field(default_factory=ModelOverrides)
-    data: DataConfig | None = None  # the data group (data=ptb ...), stored in the checkpoint's config
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec | None = None  # the data group (data=ptb ...), stored in the checkpoint's config
 
 
 #: The schema of each Hydra app, by primary config name (``conf/NAME.yaml`` starts from ``NAME_schema``).
 APP_SCHEMAS: dict[str, type] = {
-    "train": TrainAppConfig,
-    "eval": EvalAppConfig,
-    "generate": GenerateAppConfig,
-    "convert": ConvertAppConfig,
+    "train": RunSpec,
+    "eval": EvalAppSpec,
+    "generate": GenerateAppSpec,
+    "convert": ConvertAppSpec,
 }
+
+
+def schema_node(cls: type) -> DictConfig:
+    """The schema ``cls`` (a frozen dataclass) as a config node that Hydra and
+    ``OmegaConf.update`` can merge into: OmegaConf marks the nodes of frozen dataclasses read-only,
+    which would refuse every option and override; the frozen objects come back from
+    :func:`resolve` (``OmegaConf.to_object``)."""
+    node = OmegaConf.structured(cls)
+    _writable(node)
+    return node
+
+
+def _writable(node: Any) -> None:
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+        for key in node.keys():
+            _writable(node._get_node(key))
+    elif isinstance(node, ListConfig) and not node._is_none() and not node._is_missing():
+        for i in range(len(node)):
+            _writable(node._get_node(i))
 
 
 def register_configs() -> None:
@@ -359,19 +219,175 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()
     for name, schema in APP_SCHEMAS.items():
-        cs.store(name=f"{name}_schema", node=schema)
+        cs.store(name=f"{name}_schema", node=schema_node(schema))
 
 
 def train_config(overrides: dict[str, Any] | None = None) -> DictConfig:
     """``crtn-train``'s default config, i.e. the schema (what ``crtn-train`` composes without
     arguments), with ``overrides`` applied: dotted keys, e.g. ``{"model.n_layer": 2}``.
 
-    The tests (``tests/helpers.py``) and the benchmark build their configs from it.
+    The tests (``tests/helpers.py``) and the benchmark build their configs from it, then
+    :func:`resolve` it as the command line does.
     """
-    cfg = OmegaConf.structured(TrainAppConfig)
+    cfg = schema_node(RunSpec)
     for key, value in (overrides or {}).items():
         OmegaConf.update(cfg, key, value, merge=False)
     return cfg
+
+
+# ================================================================== resolution
+def resolve(cfg: Any) -> RunSpec:
+    """The run spec of a composed ``crtn-train`` config (or of a :class:`RunSpec`): frozen, every
+    derived default filled, every rule checked once by the part that owns it (module docstring).
+    Resolving a run spec returns an equal one.
+
+    Raises:
+        ConfigError: one line naming the offending key and value.
+    """
+    run = cfg if isinstance(cfg, RunSpec) else OmegaConf.to_object(cfg)
+    model = resolve_spec(run)
+    data = resolve_data(run.data)
+    optim, train = resolve_training(run.optim, run.train, data)
+    run = replace(
+        run,
+        model=model.model,
+        cache=model.cache,
+        query=model.query,
+        summary=model.summary,
+        data=data,
+        optim=optim,
+        train=train,
+        eval=resolve_eval(run.eval, model, data),
+    )
+    run.evaluation()  # the evaluation settings' rules: fail now, not after hours of training
+    return run
+
+
+def validate_train(cfg: Any) -> None:
+    """Check a ``crtn-train`` config without keeping its run spec (:func:`resolve`).
+
+    Raises:
+        ConfigError: one line naming the offending key and value.
+    """
+    resolve(cfg)
+
+
+def resolve_training(optim: OptimSpec, train: TrainSpec, data: DataSpec) -> tuple[OptimSpec, TrainSpec]:
+    """``optim`` and ``train`` checked (with :func:`crtn.optim.validate_training`'s rules of the
+    authors' recipe), ``train.checkpoint_interval`` None filled with ``train.eval_interval``.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    check_choice("optim.scheduler", optim.scheduler, SCHEDULERS)
+    if optim.lr <= 0:
+        raise ConfigError(f"optim.lr={optim.lr} must be > 0")
+    if optim.warmup_step < 0:
+        raise ConfigError(f"optim.warmup_step={optim.warmup_step} must be >= 0")
+    for key in ("max_step", "log_interval", "eval_interval", "batch_chunk"):
+        if getattr(train, key) <= 0:
+            raise ConfigError(f"train.{key}={getattr(train, key)} must be > 0")
+    if train.checkpoint_interval is not None and train.checkpoint_interval <= 0:
+        raise ConfigError(f"train.checkpoint_interval={train.checkpoint_interval} must be > 0")
+    validate_training(train, optim)
+    if train.max_time is not None and train.max_time <= 0:
+        raise ConfigError(f"train.max_time={train.max_time} must be > 0 (seconds)")
+    if data.batch_size % train.batch_chunk != 0:
+        raise ConfigError(
+            f"data.batch_size={data.batch_size} must be divisible by train.batch_chunk={train.batch_chunk}"
+        )
+    interval = train.eval_interval if train.checkpoint_interval is None else train.checkpoint_interval
+    return optim, replace(train, checkpoint_interval=interval)
+
+
+def resolve_eval(ev: EvalSpec, spec: Spec, data: DataSpec) -> EvalSpec:
+    """The evaluation settings with None filled by the trained values (``batch_size``:
+    ``data.eval_batch_size``; ``max_step`` None stays: all segments); the sizes checked here, their
+    relations by the model (:meth:`RunSpec.evaluation`).
+
+    Raises:
+        ConfigError: naming the ``eval.*`` key.
+    """
+    if ev.tgt_len is not None and ev.tgt_len <= 0:
+        raise ConfigError(f"eval.tgt_len={ev.tgt_len} must be > 0")
+    if ev.mem_len is not None and ev.mem_len < 0:
+        raise ConfigError(f"eval.mem_len={ev.mem_len} must be >= 0")
+    for key in ("n_slot", "top_k"):
+        value = getattr(ev, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"eval.{key}={value} must be >= 0")
+    for key in ("batch_size", "max_step"):
+        value = getattr(ev, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"eval.{key}={value} must be > 0")
+    m, c = spec.model, spec.cache
+
+    def pick(value: Any, trained: Any) -> Any:
+        return trained if value is None else value
+
+    return replace(
+        ev,
+        tgt_len=pick(ev.tgt_len, m.tgt_len),
+        mem_len=pick(ev.mem_len, m.mem_len),
+        clamp_len=pick(ev.clamp_len, m.clamp_len),
+        same_length=pick(ev.same_length, m.same_length),
+        n_slot=pick(ev.n_slot, c.n_slot),
+        top_k=pick(ev.top_k, c.top_k),
+        batch_size=pick(ev.batch_size, data.eval_batch_size),
+    )
+
+
+def spec_dict(spec: Any) -> dict[str, Any]:
+    """A spec as plain nested dicts and lists (what a checkpoint stores as its ``config``)."""
+    return _plain(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def load_spec(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunSpec:
+    """The run spec of a config dict as a checkpoint stores it (:func:`spec_dict`), after
+    :func:`upgrade` and with ``overrides`` (a nested dict, e.g. evaluation-time ``cache.*``) merged
+    in; resolved as :func:`resolve` does, so keys added to the schema since take their defaults.
+
+    Raises:
+        ConfigError: a value the schema or the rules refuse (a saved value, or an override).
+    """
+    node = schema_node(RunSpec)
+    try:
+        node = OmegaConf.merge(node, upgrade(config), overrides or {})
+    except Exception as e:  # omegaconf's validation errors: a wrong type or an unknown key
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return resolve(node)
+
+
+def upgrade(config: dict[str, Any]) -> dict[str, Any]:
+    """A config saved by an earlier version, made loadable with the behaviour it was trained with:
+
+    - keys a summary gained later take the value its training used (the class's ``LEGACY``, e.g.
+      token_max's ``ngram`` 1 and ``shift`` 0) when the saved config lacks them;
+    - ``data.split`` and ``data.level`` as the schema once wrote them for every corpus are cleared
+      where the corpus ignores them (only ``data.name=text`` reads either).
+
+    Returns a new dict; the saved one is not changed.
+    """
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    summary, model = out.get("summary"), out.get("model") or {}
+    cls = SUMMARY_CLASSES.get((summary or {}).get("name"))
+    if uses_cache(model.get("name")) and cls is not None:
+        for key, value in getattr(cls, "LEGACY", {}).items():
+            summary.setdefault(key, value)
+    data = out.get("data")
+    if isinstance(data, dict) and data.get("name") != "text":
+        data["split"] = None
+        if data.get("level") == "word":
+            data["level"] = None
+    return out
 
 
 def default_summary(strategy: str) -> str:
@@ -405,69 +421,3 @@ def uses_cache(model: Any) -> bool:
     """
     cls = MODEL_CLASSES.get(_model_name(model))
     return cls is not None and cls.has_cache
-
-
-def data_level(data: Any) -> str:
-    """``word`` or ``char``: the level of the corpus a ``data`` node (or plain dict) describes,
-    without reading it (``data.name=text`` says it in ``data.level``)."""
-    get = data.get if isinstance(data, dict) else lambda k, d=None: getattr(data, k, d)
-    name = get("name")
-    if name in CHAR_DATASETS:
-        return "char"
-    if name == "text":
-        return get("level") or "word"
-    return "word"
-
-
-def metric_name(level: str) -> str:
-    """``ppl`` for word-level corpora (and the synthetic one), ``bpc`` for character-level ones (SPEC §5)."""
-    return "bpc" if level == "char" else "ppl"
-
-
-def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
-
-
-def validate_train(cfg: Any) -> None:
-    """Check a ``crtn-train`` config (see :func:`validate_model`); raises :class:`ConfigError`."""
-    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
-    _choice("data.name", cfg.data.name, DATASETS)
-    _choice("optim.scheduler", cfg.optim.scheduler, SCHEDULERS)
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
-    if cfg.optim.warmup_step < 0:
-        raise ConfigError(f"optim.warmup_step={cfg.optim.warmup_step} must be >= 0")
-    for key in ("max_step", "log_interval", "eval_interval", "batch_chunk"):
-        if getattr(cfg.train, key) <= 0:
-            raise ConfigError(f"train.{key}={getattr(cfg.train, key)} must be > 0")
-    validate_training(cfg.train, cfg.optim)
-    if cfg.train.max_time is not None and cfg.train.max_time <= 0:
-        raise ConfigError(f"train.max_time={cfg.train.max_time} must be > 0 (seconds)")
-    if cfg.data.batch_size <= 0 or cfg.data.eval_batch_size <= 0:
-        raise ConfigError("data.batch_size and data.eval_batch_size must be > 0")
-    if cfg.data.batch_size % cfg.train.batch_chunk != 0:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} must be divisible by "
-            f"train.batch_chunk={cfg.train.batch_chunk}"
-        )
-    validate_eval(cfg.eval, cfg.model)
-
-
-def validate_eval(ev: Any, model: Any) -> None:
-    """Check evaluation-time overrides against the trained model; raises :class:`ConfigError`."""
-    if ev.tgt_len is not None and ev.tgt_len <= 0:
-        raise ConfigError(f"eval.tgt_len={ev.tgt_len} must be > 0")
-    if ev.mem_len is not None and ev.mem_len < 0:
-        raise ConfigError(f"eval.mem_len={ev.mem_len} must be >= 0")
-    for key in ("n_slot", "top_k"):
-        value = getattr(ev, key)
-        if value is not None and value < 0:
-            raise ConfigError(f"eval.{key}={value} must be >= 0")
-    if ev.batch_size is not None and ev.batch_size <= 0:
-        raise ConfigError(f"eval.batch_size={ev.batch_size} must be > 0")
-    if uses_cache(model):
-        tgt = ev.tgt_len if ev.tgt_len is not None else model.tgt_len
-        mem = ev.mem_len if ev.mem_len is not None else model.mem_len
-        if mem % tgt != 0:
-            raise ConfigError(f"eval.mem_len={mem} must be a multiple of eval.tgt_len={tgt} for model=crtn")

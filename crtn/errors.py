@@ -24,3 +24,9 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A missing, corrupt or mismatched checkpoint; the message names the file."""
+
+
+def check_choice(key: str, value: object, options: tuple | dict | list) -> None:
+    """Raise :class:`ConfigError` ``KEY=VALUE is not one of: A, B`` unless ``value`` is in ``options``."""
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, options))}")

@@ -12,7 +12,8 @@ returns JSON-ready metrics:
 - crtn: ``retrieval``, the histogram of selected-segment distances and mean distance.
 
 ``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
-overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...).
+overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...): they
+make the run spec of the evaluation (:func:`load_with_overrides`), and the model is built for it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from crtn.app import resolve_device, run_app
-from crtn.checkpoint import checkpoint_config, load_checkpoint
-from crtn.config import metric_name, uses_cache, validate_eval
+from crtn.app import given_keys, resolve_device, run_app
+from crtn.checkpoint import checkpoint_spec, load_checkpoint
+from crtn.config import RunSpec, metric_name
 from crtn.data import load_corpus
 from crtn.data.synthetic import copy_roots
 from crtn.errors import CheckpointError, UserError
@@ -42,32 +42,9 @@ from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-EVAL_LENGTHS = ("tgt_len", "mem_len", "clamp_len", "same_length", "n_slot", "top_k")
-# Word-frequency buckets of the CRTN paper's analysis (SPEC §5): occurrences in the training split.
+# Word-frequency buckets of the CRTN paper's analysis (docs/method.md §5): occurrences in the training split.
 FREQ_EDGES = [100, 1000, 10000]
 FREQ_LABELS = ["<100", "100-1K", "1K-10K", ">10K"]
-
-
-@contextmanager
-def eval_lengths(model: TransformerLM, ev: Any) -> Iterator[None]:
-    """Apply the non-null eval-time lengths of ``ev`` (an EvalConfig node) for the block."""
-    saved = {
-        "tgt_len": model.tgt_len,
-        "mem_len": model.mem_len,
-        "clamp_len": model.clamp_len,
-        "same_length": model.same_length,
-        "n_slot": model.n_slot,
-        "top_k": model.top_k,
-    }
-    new = {k: getattr(ev, k) for k in EVAL_LENGTHS if getattr(ev, k, None) is not None}
-    try:
-        model.reset_length(**new)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    try:
-        yield
-    finally:
-        model.reset_length(**saved)
 
 
 def metric_value(loss: float, level: str) -> float:
@@ -94,7 +71,8 @@ def evaluate(
     per_token: bool = False,
     stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on a split of ``corpus`` with the model's current lengths.
+    """Evaluate ``model`` on a split of ``corpus`` with the model's own lengths and cache (a model
+    built for evaluation-time settings: :meth:`crtn.config.RunSpec.evaluation`, :func:`crtn.model.with_spec`).
 
     Args:
         model: the language model (its ``tgt_len``, ``mem_len``, ``n_slot``... apply).
@@ -111,6 +89,7 @@ def evaluate(
 
     Raises:
         DataError: the split is too short for one segment with ``batch_size`` streams.
+        EvaluationStopped: ``stop`` returned True.
     """
     model.eval()
     it = corpus.iterator(split, batch_size, model.tgt_len, drop_last=False)
@@ -118,10 +97,7 @@ def evaluate(
     state = model.init_state(it.local_batch_size, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
-    stats = RetrievalStats()
-    buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
-    nll_tokens, target_tokens = [], []
+    measures = _Measures(corpus, split, it, device=device, per_token=per_token, retrieves=model.has_cache)
     t_start = time.perf_counter()
     bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
     for batch in it.iterate(0):
@@ -134,15 +110,7 @@ def evaluate(
         state = out.state
         total += out.nll.sum(dtype=torch.float64)
         count += out.nll.numel()
-        if buckets is not None:
-            buckets.add(batch, out)
-        if per_token:
-            nll_tokens.append(out.nll.float().cpu())
-            target_tokens.append(batch.target.cpu())
-        if out.selection is not None:
-            stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
-        if recall is not None:
-            recall.add(model, batch, out, state)
+        measures.add(model, batch, out, state)
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t_start
@@ -153,16 +121,61 @@ def evaluate(
         tokens=count, segments=n_seg, time_s=elapsed, tokens_per_s=count / elapsed if elapsed > 0 else None
     )
     result.update(tgt_len=model.tgt_len, mem_len=model.mem_len)
-    if uses_cache(model):
-        result.update(n_slot=model.n_slot, top_k=model.top_k, retrieval=stats.summary())
-    if recall is not None:
-        result.update(recall.metrics(corpus, split))
-    if buckets is not None and count > 0:
-        result["freq_buckets"] = freq_bucket_ppl(buckets.sums)
-    if per_token:
-        result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
-        result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
+    if model.has_cache:
+        result.update(n_slot=model.n_slot, top_k=model.top_k)
+    result.update(measures.metrics(count))
     return result
+
+
+class _Measures:
+    """What an evaluation measures on each segment beyond the loss: retrieval statistics (models
+    with a cache), the passage-recall sums (the synthetic corpus), perplexity by training frequency
+    (word-level corpora) and, on request, the per-token NLL. ``metrics`` gives their entries of the
+    result dict (module docstring)."""
+
+    def __init__(
+        self,
+        corpus: Any,
+        split: str,
+        it: Any,
+        *,
+        device: torch.device | str,
+        per_token: bool,
+        retrieves: bool,
+    ):
+        self.corpus, self.split, self.retrieves = corpus, split, retrieves
+        self.recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
+        self.stats = RetrievalStats()
+        self.buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
+        self.tokens: tuple[list, list] | None = ([], []) if per_token else None
+
+    def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
+        """Account one segment: ``batch`` (on the device), the model's output and its new state."""
+        if self.buckets is not None:
+            self.buckets.add(batch, out)
+        if self.tokens is not None:
+            self.tokens[0].append(out.nll.float().cpu())
+            self.tokens[1].append(batch.target.cpu())
+        if out.selection is not None:
+            self.stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
+        if self.recall is not None:
+            self.recall.add(model, batch, out, state)
+
+    def metrics(self, count: int) -> dict[str, Any]:
+        """The measures' entries of the result: ``retrieval``, ``repeat``/``fresh``,
+        ``freq_buckets``, ``nll_tokens``/``target_tokens`` (where they apply)."""
+        result: dict[str, Any] = {}
+        if self.retrieves:
+            result["retrieval"] = self.stats.summary()
+        if self.recall is not None:
+            result.update(self.recall.metrics(self.corpus, self.split))
+        if self.buckets is not None and count > 0:
+            result["freq_buckets"] = freq_bucket_ppl(self.buckets.sums)
+        if self.tokens is not None:
+            nll, target = self.tokens
+            result["nll_tokens"] = torch.cat(nll, 1) if nll else torch.empty(0)
+            result["target_tokens"] = torch.cat(target, 1) if target else torch.empty(0)
+        return result
 
 
 class _RecallSums:
@@ -321,22 +334,22 @@ def _jsonable(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
 
 
-def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], Any]:
-    """Read ``cfg.checkpoint`` and apply the app's non-null ``cache.*``/``data.*`` overrides.
-
-    Used by crtn-eval and crtn-generate. Returns (checkpoint dict, the checkpoint's training
-    config as a typed node with the overrides merged in).
+def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], RunSpec]:
+    """Read ``cfg.checkpoint`` and make the run spec of its evaluation: the checkpoint's, with the
+    ``cache.*`` and ``data.*`` keys given on the command line and the app's ``eval.*`` settings
+    (:func:`crtn.checkpoint.checkpoint_spec`; the evaluation model is built from
+    :meth:`RunSpec.evaluation`). Used by crtn-eval and crtn-generate.
 
     Raises:
-        CheckpointError: unreadable checkpoint. ConfigError: invalid ``eval.*`` values.
+        CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse.
     """
     ckpt = load_checkpoint(cfg.checkpoint)
-    train_cfg = checkpoint_config(ckpt)
-    for section in ("cache", "data"):
-        overrides = {k: v for k, v in OmegaConf.to_container(cfg[section]).items() if v is not None}
-        train_cfg[section] = OmegaConf.merge(train_cfg[section], overrides)
-    validate_eval(cfg.eval, train_cfg.model)
-    return ckpt, train_cfg
+    overrides = {
+        "cache": given_keys(cfg, "cache"),
+        "data": given_keys(cfg, "data"),
+        "eval": OmegaConf.to_container(cfg.eval),
+    }
+    return ckpt, checkpoint_spec(ckpt, overrides)
 
 
 def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
@@ -359,29 +372,27 @@ def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
 
 def run_eval(cfg: Any) -> dict[str, Any]:
     """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
-    ckpt, train_cfg = load_with_overrides(cfg)
+    ckpt, run = load_with_overrides(cfg)
     device = resolve_device(cfg.device)
-    corpus = load_corpus(train_cfg.data)
+    corpus = load_corpus(run.data)
     check_vocab(ckpt, corpus, cfg.checkpoint)
-    model = build_model(train_cfg, len(corpus.vocab)).to(device)
+    model = build_model(run.evaluation(), len(corpus.vocab)).to(device)
     model.load_state_dict(ckpt["model"])
-    batch_size = cfg.eval.batch_size or train_cfg.data.eval_batch_size
     results: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "step": ckpt.get("step")}
-    with eval_lengths(model, cfg.eval):
-        for split in cfg.splits:
-            if split not in corpus.splits:
-                raise UserError(f"splits: {split!r} is not one of {', '.join(corpus.splits)}")
-            m = evaluate(
-                model,
-                corpus,
-                split,
-                batch_size=batch_size,
-                device=device,
-                max_step=cfg.eval.max_step,
-                progress=cfg.progress,
-            )
-            print(format_metrics(m), flush=True)
-            results[split] = _jsonable(m)
+    for split in cfg.splits:
+        if split not in corpus.splits:
+            raise UserError(f"splits: {split!r} is not one of {', '.join(corpus.splits)}")
+        m = evaluate(
+            model,
+            corpus,
+            split,
+            batch_size=run.eval.batch_size,
+            device=device,
+            max_step=run.eval.max_step,
+            progress=cfg.progress,
+        )
+        print(format_metrics(m), flush=True)
+        results[split] = _jsonable(m)
     out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
     atomic_write_text(out, json.dumps(results, indent=2))
     log.info("wrote %s", out)

@@ -40,10 +40,9 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from crtn.app import resolve_device, run_app
-from crtn.config import data_level
 from crtn.data import load_corpus
 from crtn.errors import UserError
-from crtn.evaluate import eval_lengths, load_with_overrides
+from crtn.evaluate import load_with_overrides
 from crtn.model import build_model
 
 log = logging.getLogger("crtn.generate")
@@ -242,18 +241,18 @@ def run_generate(cfg: Any) -> dict[str, Any]:
         UserError: bad checkpoint, settings or prompt (one line).
     """
     _check_settings(cfg)
-    ckpt, train_cfg = load_with_overrides(cfg)
+    ckpt, run = load_with_overrides(cfg)
     symbols = ckpt.get("vocab")
     if symbols is None:
-        log.info("the checkpoint has no vocabulary; reading it from data.name=%s", train_cfg.data.name)
-        symbols = load_corpus(train_cfg.data).vocab.idx2sym
+        log.info("the checkpoint has no vocabulary; reading it from data.name=%s", run.data.name)
+        symbols = load_corpus(run.data).vocab.idx2sym
     symbols = list(symbols)
-    mode = text_mode(symbols, data_level(train_cfg.data), train_cfg.data.name)
+    mode = text_mode(symbols, run.data.level, run.data.name)
     prompt = _read_prompt(cfg)
     prompt_ids = _prompt_ids(prompt, symbols, mode)
 
     device = resolve_device(cfg.device)
-    model = build_model(train_cfg, len(symbols)).to(device)
+    model = build_model(run.evaluation(), len(symbols)).to(device)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -261,17 +260,16 @@ def run_generate(cfg: Any) -> dict[str, Any]:
             f"checkpoint {cfg.checkpoint!r} does not match its config/vocabulary ({str(e).splitlines()[0]})"
         ) from None
     generator = torch.Generator().manual_seed(cfg.seed)
-    with eval_lengths(model, cfg.eval):
-        lm = IncrementalLM(model, device)
-        new = generate(
-            model,
-            prompt_ids,
-            cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            generator=generator,
-            lm=lm,
-        )
+    lm = IncrementalLM(model, device)
+    new = generate(
+        model,
+        prompt_ids,
+        cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        generator=generator,
+        lm=lm,
+    )
     prompt_text = decode(prompt_ids, symbols, mode)
     new_text = decode(new, symbols, mode)
     sep = (
@@ -296,8 +294,8 @@ def run_generate(cfg: Any) -> dict[str, Any]:
             "seed": cfg.seed,
             "tgt_len": model.tgt_len,
             "mem_len": model.mem_len,
-            "n_slot": model.n_slot,
-            "cache_top_k": model.top_k,
+            "n_slot": model.n_slot if model.has_cache else 0,
+            "cache_top_k": model.top_k if model.has_cache else 0,
         },
     }
     if cfg.out:

@@ -116,7 +116,7 @@ class WeightAverage:
 
 
 def validate_training(train: Any, optim: Any) -> None:
-    """Check the keys of this module (:class:`crtn.config.TrainConfig`, ``OptimConfig``).
+    """Check the keys of this module (:class:`crtn.config.TrainSpec`, ``OptimSpec``).
 
     Raises:
         ConfigError: naming the key and value.

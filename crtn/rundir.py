@@ -13,15 +13,11 @@
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import signal
-from contextlib import ExitStack
 from pathlib import Path
 from typing import IO
 
 from crtn.errors import ConfigError, UserError
-from crtn.utils import atomic_write_text
 
 #: What a previous run left in its folder, relative to it.
 RUN_FILES = ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.jsonl", "results.json")
@@ -92,45 +88,3 @@ def claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         )
     for path in found:
         path.unlink()
-
-
-class Stop:
-    """Set by SIGINT/SIGTERM: the loop stops at the next step boundary and checkpoints."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-
-    def __call__(self, signum, frame) -> None:  # noqa: ARG002
-        if self.signal is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
-        self.signal = signum
-
-
-def catch_signals(stop: Stop, stack: ExitStack) -> None:
-    """Route SIGINT/SIGTERM to ``stop`` until ``stack`` closes (main thread only)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            old = signal.signal(sig, stop)
-        except ValueError:  # not in the main thread (some launchers)
-            return
-        stack.callback(signal.signal, sig, old)
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop records after ``max_step`` (they are re-done after a resume), and a last record torn by
-    a kill in the middle of its append."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= max_step:
-                keep.append(line)
-        except ValueError:  # empty or torn
-            continue
-    atomic_write_text(path, "".join(line + "\n" for line in keep))

@@ -39,7 +39,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from crtn.app import mark_run_started, resolve_device, run_app
-from crtn.config import uses_cache, validate_train
+from crtn.config import resolve, uses_cache
 from crtn.distributed import DistributedContext
 from crtn.errors import ConfigError
 from crtn.evaluate import format_metrics
@@ -90,7 +90,8 @@ def check_unused_overrides(cfg: Any, overrides: list[str]) -> None:
 
 
 def train_in(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    """Train a model as configured, writing into ``run_dir`` (:func:`run_training` without Hydra).
+    """Train a model as configured (a composed config or a run spec, resolved first:
+    :func:`crtn.config.resolve`), writing into ``run_dir`` (:func:`run_training` without Hydra).
 
     Raises:
         UserError: bad config, data or checkpoint; ``train.resume=false`` on a folder holding a run
@@ -98,7 +99,7 @@ def train_in(cfg: Any, run_dir: Path) -> dict[str, Any]:
         TrainingDiverged: a non-finite training loss.
         SystemExit: 130 after SIGINT/SIGTERM (``last.pt`` saved).
     """
-    validate_train(cfg)
+    cfg = resolve(cfg)
     dist = DistributedContext.from_env(cfg.train.device)
     if not dist.is_main:  # rank 0 logs, evaluates and writes; the others only train
         logging.getLogger().setLevel(logging.WARNING)

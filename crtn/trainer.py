@@ -27,28 +27,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from crtn.checkpoint import (
     config_mismatch,
-    effective_config,
     init_from,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from crtn.config import dependency_range, metric_name, uses_cache
+from crtn.config import dependency_range, load_spec, metric_name, resolve, spec_dict
 from crtn.data import load_corpus
 from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
-from crtn.evaluate import EvaluationStopped, eval_lengths, evaluate, format_metrics, metric_value
-from crtn.model import build_model
-from crtn.model.fused import compile_layers
+from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
+from crtn.model import build_model, with_spec
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, tar_penalty, total_steps
-from crtn.rundir import Stop, append_jsonl, catch_signals, truncate_jsonl
+from crtn.runlog import append_jsonl, truncate_jsonl
+from crtn.signals import Stop, catch_signals
 
 log = logging.getLogger("crtn.train")
 
@@ -106,7 +104,8 @@ def _tensorboard(run_dir: Path):
 
 
 class Trainer:
-    """One training run of ``crtn-train`` (rank ``dist.rank`` of a data-parallel run).
+    """One training run of ``crtn-train`` (rank ``dist.rank`` of a data-parallel run), from its
+    resolved run spec (:func:`crtn.config.resolve`; ``cfg``).
 
     Built in the order a run needs (the RNG draws of model initialisation follow the seed):
     the corpus and its training iterator, the model (``init_from`` weights), Adam and the
@@ -116,12 +115,16 @@ class Trainer:
     """
 
     def __init__(self, cfg: Any, dist: DistributedContext, device: torch.device, run_dir: Path):
+        cfg = resolve(cfg)  # a run spec stays as it is; a composed config is resolved
         self.cfg, self.dist, self.device, self.run_dir = cfg, dist, device, run_dir
         self.ckpt_dir = run_dir / "checkpoints"
         self.last, self.best = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
         self.metrics_path = run_dir / "metrics.jsonl"
-        # token_max's defaults written out, so the checkpoints build this model if they change
-        self.config_dict = effective_config(OmegaConf.to_container(cfg, resolve=True))
+        # the run spec as checkpoints store it: every default written out, so a checkpoint keeps
+        # building this model when a default changes
+        self.config_dict = spec_dict(cfg)
+        self.eval_spec = cfg.evaluation()  # the model spec of validation (eval.* applied)
+        self._eval_twins: dict[int, torch.nn.Module] = {}
         self._load_data()
         self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
         self._build_model()
@@ -162,10 +165,9 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
-        self.eval_bs = cfg.eval.batch_size or cfg.data.eval_batch_size
-        eval_tgt = cfg.eval.tgt_len or cfg.model.tgt_len
+        self.eval_bs = cfg.eval.batch_size
         for split in ("valid", "test"):  # fail now, not after hours of training
-            self.corpus.iterator(split, self.eval_bs, eval_tgt)
+            self.corpus.iterator(split, self.eval_bs, cfg.eval.tgt_len)
 
     def _build_model(self) -> None:
         cfg, o = self.cfg, self.cfg.optim
@@ -174,7 +176,7 @@ class Trainer:
         if cfg.init_from:
             init_from(self.model, cfg.init_from, self.corpus)
         if cfg.train.compile:
-            compile_layers(self.model)
+            self.model.compile_layers()
         self.optimizer = torch.optim.Adam(
             param_groups(self.model, o.lr, o.emb_lr_mult),
             lr=o.lr,
@@ -214,13 +216,14 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpt = load_checkpoint(self.last, map_location=self.device)
-        diff = config_mismatch(effective_config(ckpt["config"]), self.config_dict, RESUME_SECTIONS)
+        saved = spec_dict(load_spec(ckpt["config"]))  # as this version resolves it
+        diff = config_mismatch(saved, self.config_dict, RESUME_SECTIONS)
         if diff:
             raise CheckpointError(
                 f"cannot resume from {str(self.last)!r}: the config changed ({diff}); "
                 "use a new run directory or the saved config"
             )
-        self._check_train_changes(ckpt["config"].get("train") or {})
+        self._check_train_changes(saved["train"])
         n_states = len(ckpt.get("states") or [])
         if (
             "optimizer" not in ckpt
@@ -291,7 +294,7 @@ class Trainer:
             self.device,
             self.dist.world_size,
         )
-        if uses_cache(cfg.model):
+        if self.model.has_cache:
             log.info(
                 "crtn: query=%s summary=%s n_slot=%d top_k=%d (range m+N*L = %d tokens)",
                 cfg.query.strategy,
@@ -359,7 +362,7 @@ class Trainer:
         """Train until ``train.max_step`` (or ``train.max_epoch``), ``train.max_time`` or a signal;
         returns what stopped the loop early (None: it reached the end)."""
         cfg, stop = self.cfg, self.stop
-        ckpt_interval = cfg.train.checkpoint_interval or cfg.train.eval_interval
+        ckpt_interval = cfg.train.checkpoint_interval
         self.t_start = time.perf_counter() - self.progress.elapsed
         self.tokens_window, self.t_window = 0, time.perf_counter()
         show = cfg.train.progress and self.dist.is_main
@@ -513,20 +516,27 @@ class Trainer:
         """
         model = self.eval_model if model is None else model
         try:
-            with eval_lengths(model, self.cfg.eval):
-                m = evaluate(
-                    model,
-                    self.corpus,
-                    split,
-                    batch_size=self.eval_bs,
-                    device=self.device,
-                    max_step=max_step,
-                    progress=False,
-                    stop=(lambda: self.stop.signal is not None) if stoppable else None,
-                )
+            m = evaluate(
+                self._for_evaluation(model),
+                self.corpus,
+                split,
+                batch_size=self.eval_bs,
+                device=self.device,
+                max_step=max_step,
+                progress=False,
+                stop=(lambda: self.stop.signal is not None) if stoppable else None,
+            )
         finally:
             self.model.train()
         return m
+
+    def _for_evaluation(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model``'s weights in a model built for the evaluation settings (``eval.*``): the model
+        itself when they are the trained ones, else a twin sharing its parameters, made once."""
+        key = id(model)
+        if key not in self._eval_twins:
+            self._eval_twins[key] = with_spec(model, self.eval_spec)
+        return self._eval_twins[key]
 
     def validate(self) -> None:
         """Evaluate on valid, record it, and save ``best.pt`` when it improves (rank 0).

@@ -316,7 +316,7 @@ class NaiveCRTN:
         self.row = RowState()
 
     def _pass(self, tokens, mem, t0, retrieved=None, hide_mem=0):
-        c = self.m.cache_cfg
+        c = self.m.spec.cache
         return naive_segment(
             self.m, tokens, mem, t0, retrieved, c.pos, c.weighted, hide_mem, retrieve_from=self.first
         )
@@ -324,20 +324,20 @@ class NaiveCRTN:
     @property
     def first(self) -> int:
         """The first layer (0-based) that reads retrieved segments: 0, or n - cache.layers."""
-        c = self.m.cache_cfg
+        c = self.m.spec.cache
         return 0 if c.layers is None else self.m.n_layer - c.layers
 
     @property
     def key_layer(self) -> int:
         """The hidden layer of keys and queries: cache.key_layer, else the top (or the input of
         the first retrieving layer with cache.layers)."""
-        c = self.m.cache_cfg
+        c = self.m.spec.cache
         return c.key_layer if c.key_layer is not None else (self.first or self.m.n_layer)
 
     def _queries(self, tokens, r_cur, qmem, t0) -> list[Tensor]:
         """q_j for every token (SPEC §3 table; single_linear and query.tanh from the authors' code).
         ``query.detach``: no gradient into the query pass (R_cur, the fixed_length passes)."""
-        m, qc = self.m, self.m.query_cfg
+        m, qc = self.m, self.m.spec.query
         if qc.detach:
             r_cur = r_cur.detach()
         strategy = m.query.strategy
@@ -356,7 +356,7 @@ class NaiveCRTN:
 
     def _windows(self, tokens, r_cur, qmem, t0):
         m, L, st = self.m, self.L, self.row
-        detach = m.query_cfg.detach
+        detach = m.spec.query.detach
         strategy = m.query.strategy
         d = m.d_model
         r_prev = st.r_prev if st.r_prev is not None else torch.zeros(L, d, dtype=r_cur.dtype)
@@ -402,7 +402,7 @@ class NaiveCRTN:
 
     def step(self, tokens: Tensor, target: Tensor, t0: int):
         m, L, st = self.m, self.L, self.row
-        c = m.cache_cfg
+        c = m.spec.cache
         n = m.n_layer
         # 1. query pass: memory S, or the newest slot (X_{t-1}) when S is shorter than L
         if st.mem is not None and st.mem[0].shape[0] >= L:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from crtn.app import unknown_keys
-from crtn.config import ConvertAppConfig, TrainAppConfig
+from crtn.config import ConvertAppSpec, RunSpec
 from tests.helpers import TINY_RUN, cli
 
 
@@ -28,10 +28,10 @@ def test_unknown_keys_walks_nested_and_optional_nodes():
     assert unknown_keys({"inner": {"a": 2}, "maybe": None, "b": "y"}, _Root) == []
     found = unknown_keys({"inner": {"a": 2, "z": 1}, "maybe": {"a": 1, "y": 2}, "c": 3}, _Root)
     assert found == ["inner.z", "maybe.y", "c"]
-    assert unknown_keys({"data": {"name": "ptb", "synthetic": {"x": 1}}}, ConvertAppConfig) == [
+    assert unknown_keys({"data": {"name": "ptb", "synthetic": {"x": 1}}}, ConvertAppSpec) == [
         "data.synthetic.x"
     ]
-    assert unknown_keys({"train": {"max_step": 1}, "x": 1}, TrainAppConfig) == ["x"]
+    assert unknown_keys({"train": {"max_step": 1}, "x": 1}, RunSpec) == ["x"]
 
 
 @pytest.mark.parametrize("key", ["+model.no_such_key=1", "+cache.x=1", "+train.x=1", "+x=1"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from crtn.model import RetrievalStats
+from crtn.model import RetrievalStats, evaluation_spec, with_spec
 from crtn.model.cache import SegmentCache
 from crtn.model.summary import make_summary
 from tests.helpers import tiny_model
@@ -97,7 +99,7 @@ def test_alpha_sums_to_one_over_the_slots_it_is_normalised_over(norm):
     else:
         assert (alpha.sum(-1) < 1 - 1e-6).all() and (alpha > 0).all()
     # with k covering every valid slot, 'all' weights are the whole softmax: they sum to 1
-    model.reset_length(top_k=5)
+    model = with_spec(model, evaluation_spec(model.spec, SimpleNamespace(top_k=5)))
     L = model.tgt_len
     x = torch.randint(0, V, (2, L))
     out = model(x, x, state)
@@ -203,17 +205,13 @@ def test_cache_state_roundtrip_continues_identically():
 
 
 def test_eval_time_larger_cache_and_k():
-    from omegaconf import OmegaConf
-
-    from crtn.evaluate import eval_lengths
-
+    """An evaluation-time cache is another model object over the same parameters; the trained
+    model is not changed."""
     model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 2, "cache.top_k": 1})
-    ev = OmegaConf.create(
-        {"tgt_len": None, "mem_len": None, "clamp_len": None, "same_length": None, "n_slot": 8, "top_k": 3}
-    )
-    with eval_lengths(model, ev):
-        outs, state = drive(model, 12)
-        assert state.cache.n_slot == 8 and outs[-1].selection.slot.shape[-1] == 3
+    ev = SimpleNamespace(tgt_len=None, mem_len=None, clamp_len=None, same_length=None, n_slot=8, top_k=3)
+    evaluation = with_spec(model, evaluation_spec(model.spec, ev))
+    outs, state = drive(evaluation, 12)
+    assert state.cache.n_slot == 8 and outs[-1].selection.slot.shape[-1] == 3
     assert model.n_slot == 2 and model.top_k == 1
 
 
@@ -232,7 +230,7 @@ def test_retrieved_product_matches_explicit_gather_and_gradcheck(mode, normalize
     """The chunked gather-product equals gathering explicitly, and its gradient is exact."""
     import torch.nn.functional as F
 
-    from crtn.model.attention import retrieved_product
+    from crtn.model.retrieved import retrieved_product
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 3, 5, dtype=torch.float64, generator=g)  # 6 slots of 3 rows, d=5

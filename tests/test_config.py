@@ -13,7 +13,7 @@ from crtn.bench import Sizes, model_cfg, size_overrides
 from crtn.config import (
     APP_SCHEMAS,
     STRATEGIES,
-    TrainAppConfig,
+    RunSpec,
     default_summary,
     register_configs,
     train_config,
@@ -60,7 +60,7 @@ def test_command_line_config_is_the_schema(app):
 
 def test_train_defaults_resolve_like_the_command_line():
     cli, schema = composed("train"), train_config()
-    assert schema == OmegaConf.structured(TrainAppConfig)
+    assert schema == OmegaConf.structured(RunSpec)
     assert OmegaConf.to_container(cli, resolve=True) == OmegaConf.to_container(schema, resolve=True)
     assert schema.model.mem_len == schema.model.tgt_len == 32  # mem_len follows tgt_len
     assert train_config({"model.tgt_len": 5}).model.mem_len == 5

@@ -39,7 +39,8 @@ from safetensors.torch import load_file, save_file
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 from transformers.models.transfo_xl import modeling_transfo_xl
 
-from crtn.checkpoint import checkpoint_config, load_checkpoint
+from crtn.checkpoint import checkpoint_spec as checkpoint_config
+from crtn.checkpoint import load_checkpoint
 from crtn.convert import ConversionError, convert, infer_hparams, read_source, resolve_hparams
 from crtn.model import build_model
 from crtn.model.adaptive import flip_cluster_order
@@ -558,6 +559,7 @@ def test_converted_txl_evaluates_like_hf(converted):
 
 def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     """model=crtn with n_slot=0, initialised like crtn-train init_from=..., equals the converted txl."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from crtn.trainer import init_from as _init_from
@@ -568,9 +570,13 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     txl = build_model(txl_cfg, len(symbols)).eval()
     txl.load_state_dict(ckpt["model"])
     for query, summary in (("token", "last_state"), ("linear", "linear")):
-        cfg = txl_cfg.copy()
-        cfg.model.name, cfg.cache.n_slot = "crtn", 0
-        cfg.query.strategy, cfg.summary.name = query, summary
+        cfg = replace(
+            txl_cfg,
+            model=replace(txl_cfg.model, name="crtn"),
+            cache=replace(txl_cfg.cache, n_slot=0),
+            query=replace(txl_cfg.query, strategy=query),
+            summary=replace(txl_cfg.summary, name=summary),
+        )
         torch.manual_seed(0)
         crtn = build_model(cfg, len(symbols)).eval()
         _init_from(crtn, str(out / "model.pt"), SimpleNamespace(vocab=SimpleNamespace(idx2sym=symbols)))

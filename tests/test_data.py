@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 import crtn.data.corpus as corpus_mod
-from crtn.config import DataConfig
+from crtn.config import DataSpec, schema_node
 from crtn.data import Batch, Corpus, StreamIterator, Vocab, cache_dir_for, load_corpus
 from crtn.errors import ConfigError, DataError
 
@@ -33,7 +33,7 @@ GETDATA = REPO / "tools" / "getdata.sh"
 
 
 def data_cfg(**kw):
-    cfg = OmegaConf.structured(DataConfig)
+    cfg = schema_node(DataSpec)
     for k, v in kw.items():
         OmegaConf.update(cfg, k, v, merge=False)
     return cfg

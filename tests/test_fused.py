@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 
-from crtn.model.fused import compile_layers
 from tests.helpers import tiny_model
 
 V = 11
@@ -63,6 +62,6 @@ def test_compiled_layers_match_eager():
     uses inductor, checked by hand in float64: NLL within 1e-15, gradients within 1e-14)."""
     torch.manual_seed(0)
     eager = tiny_model(V, **{"model.name": "txl"}).train()
-    fast = compile_layers(copy.deepcopy(eager), backend="aot_eager")
+    fast = copy.deepcopy(eager).compile_layers(backend="aot_eager")
     _compare(fast, eager, steps=3)
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from crtn.config import DataConfig, SyntheticConfig
+from crtn.config import DataSpec, SyntheticSpec
 from crtn.data import StreamIterator, load_corpus, make_synthetic
 from crtn.data.synthetic import copy_roots
 from crtn.errors import ConfigError
@@ -33,8 +33,8 @@ SMALL = {
 }
 
 
-def small(**kw) -> SyntheticConfig:
-    return SyntheticConfig(**{**SMALL, **kw})
+def small(**kw) -> SyntheticSpec:
+    return SyntheticSpec(**{**SMALL, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_no_repeats_when_p_is_zero():
 
 def test_default_config_through_load_corpus_is_fast():
     t0 = time.perf_counter()
-    c = load_corpus(OmegaConf.structured(DataConfig(synthetic=SyntheticConfig(**TEST_SYNTHETIC))))
+    c = load_corpus(OmegaConf.structured(DataSpec(synthetic=SyntheticSpec(**TEST_SYNTHETIC))))
     elapsed = time.perf_counter() - t0
     assert elapsed < 5.0, f"generating the default synthetic corpus took {elapsed:.1f} s"
     assert c.name == "synthetic" and len(c.splits["train"]) == 1_000_000 and len(c.vocab) == 128

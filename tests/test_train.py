@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from crtn.checkpoint import checkpoint_config, load_checkpoint
+from crtn.checkpoint import checkpoint_spec as checkpoint_config
+from crtn.checkpoint import load_checkpoint
 from crtn.config import train_config
 from crtn.model import build_model
 from crtn.model.summary import DEFAULT_NGRAM, DEFAULT_SHIFT

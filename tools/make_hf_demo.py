@@ -166,12 +166,12 @@ def hf_float64_attention():
 
 
 def compare(args) -> None:
-    from crtn.checkpoint import checkpoint_config, load_checkpoint
+    from crtn.checkpoint import checkpoint_spec, load_checkpoint
     from crtn.model import build_model
 
     corpus = ptb(args.data_root)
     ckpt = load_checkpoint(args.crtn)
-    cfg = checkpoint_config(ckpt)
+    cfg = checkpoint_spec(ckpt)
     L = cfg.model.tgt_len
     x = corpus.splits["test"][: 4 * 3 * L].view(4, 3 * L)
     for dtype, exact in ((torch.float64, False), (torch.float64, True), (torch.float32, False)):

@@ -40,12 +40,12 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
         SystemExit: the checkpoint is not a crtn model trained on ``data=synthetic``.
         CheckpointError: unreadable checkpoint.
     """
-    from crtn.checkpoint import checkpoint_config, load_checkpoint
+    from crtn.checkpoint import checkpoint_spec, load_checkpoint
     from crtn.data import load_corpus
     from crtn.model import build_model
 
     ckpt = load_checkpoint(checkpoint)
-    cfg = checkpoint_config(ckpt)
+    cfg = checkpoint_spec(ckpt)
     if cfg.model.name != "crtn" or cfg.data.name != "synthetic":
         sys.exit(
             f"{checkpoint}: needs a crtn model trained on data=synthetic, not {cfg.model.name} on {cfg.data.name}"

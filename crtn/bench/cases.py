@@ -106,7 +106,8 @@ def make_case(
     model.train(train)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4) if train else None
     b = batch or s.batch
-    n_seg = 4 + (model.mem_len // model.tgt_len) + model.n_slot  # enough to fill memory and cache
+    n_slot = model.n_slot if model.has_cache else 0
+    n_seg = 4 + (model.mem_len // model.tgt_len) + n_slot  # enough to fill memory and cache
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, s.vocab, (b, (n_seg + 64) * model.tgt_len + 1), generator=g).to(device)
     return Case(name, model, opt, tokens=tokens)

@@ -208,7 +208,11 @@ def bench_eval_faiss(s: Sizes, device: torch.device, stepper: Stepper, log: Call
         # faiss holds one key per slot, so not token_max (token's default): last_state keys
         pair = {"query.strategy": "token", "summary.name": "last_state"}
         cfg = model_cfg(
-            s, "crtn", L, **pair, **{"cache.n_slot": n, "cache.backend": "faiss", "cache.dtype": dtype}
+            s,
+            "crtn",
+            L,
+            **pair,
+            **{"cache.n_slot": n, "cache.backend": "faiss", "cache.alpha_norm": "topk", "cache.dtype": dtype},
         )
         case = make_case(
             f"crtn(token/last_state) eval faiss n_slot={n} ({dtype})",

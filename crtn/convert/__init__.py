@@ -29,7 +29,7 @@ Sources (``format=auto`` tells them apart):
   attributes (``tgt_len``, ``mem_len``, ``same_length``, ``clamp_len``, dropout
   rates, ``pre_lnorm``, ``attn_type``...) are used.
 
-Hyper-parameters, in increasing priority: :class:`crtn.config.ModelConfig`
+Hyper-parameters, in increasing priority: :class:`crtn.model.spec.ModelSpec`
 defaults (the command line's; ``mem_len`` defaults to ``tgt_len``) < inferred from tensor shapes (:func:`infer_hparams`: ``n_layer``,
 ``n_head``, ``d_head``, ``d_model``, ``d_embed``, ``d_inner``, ``div_val``,
 ``cutoffs`` when ``div_val > 1``, ``untie_r``, ``tie_weight``, ``tie_projs``) <
@@ -66,9 +66,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from crtn.app import run_app
+from crtn.app import given_keys, run_app
 from crtn.checkpoint import save_checkpoint
-from crtn.config import train_config
+from crtn.config import resolve, spec_dict, train_config
 from crtn.convert.hf import HF_DEFAULTS, read_hf
 from crtn.convert.hparams import NOT_INFERABLE, infer_hparams, resolve_hparams
 from crtn.convert.release import read_release
@@ -169,7 +169,8 @@ def convert(
         out: output folder (created).
         vocab: vocabulary file (one symbol per line in id order), or None.
         data: a ``data`` config node (dict) for the checkpoint's config, or None (default data).
-        model: ``ModelConfig`` overrides (None values are ignored).
+        model: ``model.*`` values that override what the source says or implies (None values are
+            ignored).
         fmt: ``auto``, ``hf`` or ``release``.
         trust_pickle: allow unpickling a whole release module (runs code from the file).
 
@@ -196,7 +197,7 @@ def convert(
     if data is not None:
         train_cfg.data = OmegaConf.merge(train_cfg.data, data)
         _check_corpus(train_cfg.data, n_token, symbols)
-    config = OmegaConf.to_container(train_cfg, resolve=True)
+    config = spec_dict(resolve(train_cfg))  # the run spec, as crtn-train's checkpoints store it
 
     ckpt_path, yaml_path = _write(source, src=src, out=Path(out), config=config, symbols=symbols, state=state)
     n_params = sum(v.numel() for v in {v.data_ptr(): v for v in state.values()}.values())  # tied once
@@ -273,7 +274,7 @@ def run_convert(cfg: Any) -> dict[str, Any]:
     for key in ("src", "out"):
         if OmegaConf.is_missing(cfg, key):
             raise ConversionError(f"{key}=... is required: crtn-convert src=HF_DIR_OR_MODEL_PT out=OUT_DIR")
-    overrides = OmegaConf.to_container(cfg.model, resolve=True)
+    overrides = given_keys(cfg, "model")  # what the command line gave; the rest the source says
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") is not None else None
     result = convert(
         cfg.src,

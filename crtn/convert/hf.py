@@ -42,7 +42,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
-#: config.json key -> crtn ``ModelConfig`` key (copied as they are).
+#: config.json key -> crtn ``ModelSpec`` key (copied as they are).
 _HF_KEYS = {
     "n_layer": "n_layer",
     "n_head": "n_head",

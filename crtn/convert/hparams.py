@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from crtn.config import train_config
 from crtn.convert.source import ConversionError, Source, require, same
 
-#: ModelConfig keys that neither the shapes nor a state_dict determine.
+#: ModelSpec keys that neither the shapes nor a state_dict determine.
 NOT_INFERABLE = ("tgt_len", "mem_len", "clamp_len", "same_length", "pre_lnorm", "dropout", "dropatt")
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
@@ -21,7 +21,7 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 def infer_hparams(src: Source) -> dict[str, Any]:
     """Model sizes and tying read off the tensor shapes (release names).
 
-    Returns ModelConfig keys plus ``n_token``; ``cutoffs`` is left out when it cannot be
+    Returns ModelSpec keys plus ``n_token``; ``cutoffs`` is left out when it cannot be
     inferred (``div_val == 1`` with tail clusters share one output layer).
 
     Raises:
@@ -99,7 +99,7 @@ def resolve_hparams(
     """The converted model's config: defaults < shapes < the source's config < overrides.
 
     Returns:
-        (model config dict with ``name="txl"`` and every ModelConfig key, n_token,
+        (model config dict with ``name="txl"`` and every ModelSpec key, n_token,
         keys whose value was assumed rather than known).
 
     Raises:

@@ -27,7 +27,7 @@ class Source:
         tensors: release/crtn parameter names (no ``transformer.`` prefix) -> tensor,
             softmax clusters in the release's order.
         names: crtn name -> name in the source file (for messages).
-        hparams: crtn ``ModelConfig`` keys known from the source's config or attributes.
+        hparams: crtn ``ModelSpec`` keys known from the source's config or attributes.
         n_token: vocabulary size stated by the source, or None.
     """
 

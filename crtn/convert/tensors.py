@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from crtn.config import ModelConfig, validate_model
 from crtn.convert.source import ConversionError, Source, first_line, same
 from crtn.errors import ConfigError
-from crtn.model import TransformerLM
+from crtn.model import TransformerLM, resolve_spec
+from crtn.model.spec import ModelSpec, Spec
 
 
 def convert_tensors(src: Source, cfg: dict[str, Any], n_token: int) -> dict[str, torch.Tensor]:
@@ -23,10 +22,10 @@ def convert_tensors(src: Source, cfg: dict[str, Any], n_token: int) -> dict[str,
         ConversionError: unknown tensor, missing tensor, shape mismatch, inconsistent tying
             or shared biases, a non-standard ``pos_emb.inv_freq`` -- naming the tensor.
     """
-    mcfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg)
     try:
-        validate_model(mcfg)
-        model = TransformerLM(n_token, mcfg)
+        spec = resolve_spec(Spec(model=ModelSpec(**cfg)))
+        mcfg = spec.model
+        model = TransformerLM(n_token, spec)
     except (ConfigError, ValueError) as e:
         raise ConversionError(f"the converted config is invalid: {first_line(e)}") from None
     expected = model.state_dict()

@@ -10,15 +10,17 @@ Public API::
         batch.input, batch.target  # int64 [B, L'] batch-first
 """
 
-from crtn.config import DATASETS
 from crtn.data.base import Corpus
-from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus
+from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus, resolve_data
 from crtn.data.iterator import Batch, StreamIterator
+from crtn.data.spec import DATASETS, DataSpec, SyntheticSpec
 from crtn.data.synthetic import MarkovSource, make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 
 __all__ = [
     "DATASETS",
+    "DataSpec",
+    "SyntheticSpec",
     "DEFAULT_DIRS",
     "EOS",
     "UNK",
@@ -30,4 +32,5 @@ __all__ = [
     "cache_dir_for",
     "load_corpus",
     "make_synthetic",
+    "resolve_data",
 ]

@@ -45,7 +45,7 @@ import os
 import stat
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,19 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from crtn.config import DATASETS, metric_name
 from crtn.data.base import SPLITS, Corpus
+from crtn.data.spec import (
+    CHAR_DATASETS,
+    DATASETS,
+    LEVEL_DATASETS,
+    LEVELS,
+    DataSpec,
+    SyntheticSpec,
+    metric_name,
+)
 from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
-from crtn.errors import ConfigError, DataError
+from crtn.errors import ConfigError, DataError, check_choice
 from crtn.utils import atomic_write
 
 #: Standard corpus folder of each data set (``data.dir`` when it is None).
@@ -83,34 +91,89 @@ _CHUNK_BYTES = 1 << 24
 
 # ====================================================================== entry point
 def load_corpus(cfg: Any) -> Corpus:
-    """Load (or generate) the corpus described by a ``data`` config node (SPEC §4).
+    """Load (or generate) the corpus described by a ``data`` spec (docs/method.md §4).
 
     Args:
-        cfg: an object with the fields of :class:`crtn.config.DataConfig`
-            (an OmegaConf node or the dataclass itself).
+        cfg: an object with the fields of :class:`crtn.data.spec.DataSpec` (the spec, a config
+            node, or a plain dict); it is resolved first (:func:`resolve_data`).
 
     Returns:
         The :class:`Corpus`; encoded splits come from the cache when it is valid.
 
     Raises:
-        ConfigError: unknown ``data.name``, ``data.name=text`` without
-            ``data.path``, bad ``data.level`` or ``data.split``, bad synthetic settings.
+        ConfigError: see :func:`resolve_data`; bad synthetic settings.
         DataError: missing corpus folder or split file, empty file, invalid
             UTF-8 (with the byte offset), a split without tokens, an unusable
             ``data.cache_dir``.
     """
-    name = _get(cfg, "name", "synthetic")
-    if name not in DATASETS:
-        raise ConfigError(f"data.name={name!r} is not one of: {', '.join(DATASETS)}")
-    if name == "synthetic":
-        return make_synthetic(_get(cfg, "synthetic", None))
-    plan = _plan(name, cfg)
-    return _load_cached(plan, _get(cfg, "cache_dir", None))
+    spec = resolve_data(cfg)
+    if spec.name == "synthetic":
+        return make_synthetic(spec.synthetic)
+    return _load_cached(_plan(spec), spec.cache_dir)
 
 
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    value = getattr(cfg, key, default) if not isinstance(cfg, dict) else cfg.get(key, default)
-    return default if value is None and default is not None else value
+def resolve_data(cfg: Any) -> DataSpec:
+    """The resolved ``data`` spec of ``cfg`` (an object or dict with :class:`DataSpec`'s fields):
+    ``dir`` None becomes the corpus' standard folder, ``level`` None its own level, ``split`` None
+    0.9/0.05/0.05 for ``data.name=text``; keys the corpus would ignore are refused.
+
+    Raises:
+        ConfigError: unknown ``data.name`` or ``data.level``; ``data.level=word`` for a
+            character-level corpus (or ``char`` for the synthetic one); ``data.path`` or
+            ``data.split`` with a corpus other than ``text``; ``data.name=text`` without
+            ``data.path``; a ``data.split`` that is not three positive fractions summing to 1;
+            batch sizes <= 0.
+    """
+    spec = _as_spec(cfg)
+    name = spec.name
+    check_choice("data.name", name, DATASETS)
+    if spec.level is not None:
+        check_choice("data.level", spec.level, LEVELS)
+    own = "char" if name in CHAR_DATASETS else "word"
+    if name not in LEVEL_DATASETS and spec.level not in (None, own):
+        raise ConfigError(f"data.level={spec.level}: data.name={name} exists at {own} level only")
+    for key in ("path", "split"):
+        if name != "text" and getattr(spec, key) is not None:
+            raise ConfigError(f"data.{key}={getattr(spec, key)!r} applies to data.name=text only, not {name}")
+    if spec.batch_size <= 0 or spec.eval_batch_size <= 0:
+        raise ConfigError("data.batch_size and data.eval_batch_size must be > 0")
+    split = spec.split
+    if name == "text":
+        if not spec.path:
+            raise ConfigError("data.name=text needs data.path=<a UTF-8 text file>")
+        split = _fractions((0.9, 0.05, 0.05) if split is None else split)
+    return replace(spec, dir=spec.dir or DEFAULT_DIRS.get(name), level=spec.level or own, split=split)
+
+
+def _as_spec(cfg: Any) -> DataSpec:
+    if isinstance(cfg, DataSpec):
+        return cfg
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    values = {}
+    for f in fields(DataSpec):
+        value = get(f.name, None)
+        if value is None:
+            continue
+        if f.name == "synthetic":
+            sget = value.get if isinstance(value, dict) else lambda k, d=None, v=value: getattr(v, k, d)
+            synthetic = {g.name: sget(g.name, None) for g in fields(SyntheticSpec)}
+            value = SyntheticSpec(**{k: v for k, v in synthetic.items() if v is not None})
+        elif f.name == "split":
+            value = list(value)
+        values[f.name] = value
+    return DataSpec(**values)
+
+
+def _fractions(fractions: Any) -> tuple[float, float, float]:
+    try:
+        fractions = [float(x) for x in fractions]
+    except (TypeError, ValueError):
+        raise ConfigError(f"data.split={fractions!r} must be 3 positive numbers summing to 1") from None
+    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1.0) > 1e-6:
+        raise ConfigError(
+            f"data.split={fractions} must be 3 positive numbers (train, valid, test) summing to 1"
+        )
+    return tuple(fractions)
 
 
 # ====================================================================== plans
@@ -142,15 +205,18 @@ class _Plan:
         }
 
 
-def _plan(name: str, cfg: Any) -> _Plan:
+def _plan(spec: DataSpec) -> _Plan:
+    name = spec.name
     if name == "text":
-        return _plan_text(cfg)
-    root = Path(_get(cfg, "root", "data"))
-    folder = root / (_get(cfg, "dir", None) or DEFAULT_DIRS[name])
+        return _plan_text(spec)
+    root = Path(spec.root)
+    folder = root / spec.dir
     if name in _WORD_FILES:
         files = [folder / f for f in _WORD_FILES[name]]
         _check_folder(name, folder, files)
         _check_files(files)
+        if spec.level == "char":  # the same files, every character a symbol (newlines included)
+            return _Plan(name, level="char", reader="chars", eos=False, files=files, corpus_dir=folder)
         return _Plan(name, level="word", reader="words", eos=True, files=files, corpus_dir=folder)
     # enwik8 / text8: the raw file, or the Transformer-XL release's preprocessed layout
     raw = folder / name
@@ -170,28 +236,14 @@ def _plan(name: str, cfg: Any) -> _Plan:
     )
 
 
-def _plan_text(cfg: Any) -> _Plan:
-    path = _get(cfg, "path", None)
-    if not path:
-        raise ConfigError("data.name=text needs data.path=<a UTF-8 text file>")
-    level = _get(cfg, "level", "word")
-    if level not in ("word", "char"):
-        raise ConfigError(f"data.level={level!r} is not one of: word, char")
-    fractions = _get(cfg, "split", [0.9, 0.05, 0.05])
-    try:
-        fractions = [float(x) for x in fractions]
-    except (TypeError, ValueError):
-        raise ConfigError(f"data.split={fractions!r} must be 3 positive numbers summing to 1") from None
-    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1.0) > 1e-6:
-        raise ConfigError(
-            f"data.split={fractions} must be 3 positive numbers (train, valid, test) summing to 1"
-        )
-    file = Path(path)
+def _plan_text(spec: DataSpec) -> _Plan:
+    file = Path(spec.path)
     if not file.is_file():
         raise DataError(f"data.path: text file {str(file)!r} not found")
     _check_files([file])
+    level = spec.level
     reader = "words" if level == "word" else "chars"
-    cut = ("fractions", *fractions)
+    cut = ("fractions", *spec.split)
     return _Plan(
         "text", level=level, reader=reader, eos=level == "word", files=[file], corpus_dir=file.parent, cut=cut
     )

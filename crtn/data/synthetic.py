@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from crtn.config import SyntheticConfig, metric_name
 from crtn.data.base import SPLITS, Corpus
+from crtn.data.spec import SyntheticSpec, metric_name
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -97,10 +97,10 @@ class MarkovSource:
 
 
 def _settings(cfg: Any) -> dict[str, Any]:
-    """The fields of :class:`crtn.config.SyntheticConfig` read from ``cfg`` (None or missing: defaults)."""
+    """The fields of :class:`crtn.data.spec.SyntheticSpec` read from ``cfg`` (None or missing: defaults)."""
     out = {}
-    for f in fields(SyntheticConfig):
-        default = getattr(SyntheticConfig(), f.name)
+    for f in fields(SyntheticSpec):
+        default = getattr(SyntheticSpec(), f.name)
         if cfg is None:
             value = default
         elif isinstance(cfg, dict):
@@ -250,7 +250,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
     """Generate the passage-recall corpus (module docstring; SPEC §4).
 
     Args:
-        cfg: an object with the fields of :class:`crtn.config.SyntheticConfig`
+        cfg: an object with the fields of :class:`crtn.data.spec.SyntheticSpec`
             (None: the defaults).
 
     Returns:

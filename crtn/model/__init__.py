@@ -1,8 +1,10 @@
-"""Models: attention, transformer, cache, query strategies and summaries (SPEC §2-3).
+"""Models: attention, transformer, cache, query strategies and summaries (docs/method.md §2-3).
 
 | module            | what                                                              |
 |-------------------|-------------------------------------------------------------------|
-| ``attention.py``  | relative multi-head attention, with retrieved segments (SPEC §2, §3 step 3) |
+| ``spec.py``       | the frozen specs a model is built from (one per config group)     |
+| ``attention.py``  | relative multi-head attention A_rel, rel_shift (docs/method.md §2) |
+| ``retrieved.py``  | attention to retrieved segments weighted by alpha (§3 step 3)     |
 | ``transformer.py``| Transformer-XL (``txl``) and ``vanilla``: layers, memory, the step |
 | ``crtn.py``       | CRTN: the cache step (query pass, selection, main pass, renewal)  |
 | ``cache.py``      | the key-value cache: storage, renewal, top-k retrieval            |
@@ -11,52 +13,57 @@
 | ``adaptive.py``   | adaptive input and projected adaptive softmax                     |
 
 Models are registered in :data:`MODELS` by their config name (``model.name``); each class
-states its capabilities (``has_memory``, ``has_cache``), so nothing outside this package
-needs to know model names.
+states its capabilities (``has_memory``, ``has_cache``) and resolves its own options
+(``resolve``), so nothing outside this package needs to know model names.
+
+A model is built from a resolved :class:`Spec` (:func:`resolve_spec`: every derived default
+filled, every rule checked by the class that owns it); evaluation-time lengths and cache sizes
+make another spec (:func:`evaluation_spec`) and another model object sharing the same
+parameters (:func:`with_spec`), never a change to a built model.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from crtn.errors import ConfigError
-from crtn.model.cache import (
-    ALPHA_NORMS,
-    BACKENDS,
-    CACHE_DTYPES,
-    FAISS_INDEXES,
-    POS_MODES,
-    RENEWALS,
-    RetrievalStats,
-    SegmentCache,
-    Selection,
-)
+from crtn.errors import ConfigError, check_choice
+from crtn.model.cache import RetrievalStats, SegmentCache, Selection
 from crtn.model.crtn import CRTN, CRTNState, dependency_range
-from crtn.model.query import STRATEGIES, QueryStrategy
-from crtn.model.summary import SUMMARIES, Summary, conv_out_len
+from crtn.model.query import STRATEGIES, QueryStrategy, valid_pairs, valid_summaries
+from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
+from crtn.model.summary import SUMMARIES, Summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, VanillaLM
 
 __all__ = [
     "CRTN",
     "CRTNState",
+    "CacheSpec",
     "LMOutput",
     "MODELS",
+    "ModelSpec",
+    "QuerySpec",
     "QueryStrategy",
     "RetrievalStats",
     "STRATEGIES",
     "SUMMARIES",
     "SegmentCache",
     "Selection",
+    "Spec",
     "State",
     "Summary",
+    "SummarySpec",
     "TransformerLM",
     "VanillaLM",
     "build_model",
     "dependency_range",
+    "evaluation_spec",
     "model_class",
+    "resolve_spec",
     "valid_pairs",
     "valid_summaries",
     "validate_model",
+    "with_spec",
 ]
 
 #: every model by its config name (``model.name``)
@@ -69,173 +76,111 @@ def model_class(name: str) -> type[TransformerLM]:
     Raises:
         ConfigError: unknown name (one line listing the registered ones).
     """
-    if name not in MODELS:
-        raise ConfigError(f"model.name={name!r} is not one of: {', '.join(MODELS)}")
+    check_choice("model.name", name, MODELS)
     return MODELS[name]
 
 
-def valid_summaries(strategy: str) -> tuple[str, ...]:
-    """Summaries that may be paired with query ``strategy`` (SPEC §3: by the strategy's kind)."""
-    kind = STRATEGIES[strategy].kind
-    return tuple(name for name, cls in SUMMARIES.items() if kind in cls.kinds)
+def resolve_spec(source: Any) -> Spec:
+    """The resolved :class:`Spec` of ``source`` (an object with ``model``, ``cache``, ``query`` and
+    ``summary`` attributes: a run spec, a :class:`Spec`, a composed config node): derived defaults
+    filled and every rule checked, by the registered model class (:meth:`TransformerLM.resolve`,
+    :meth:`crtn.model.crtn.CRTN.resolve`, which asks the cache, the strategy and the summary).
+    Resolving a resolved spec returns an equal one.
 
-
-def valid_pairs() -> list[tuple[str, str]]:
-    """Every valid (query strategy, summary) pair of SPEC §3, strategies in SPEC order."""
-    return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
-
-
-def _choice(key: str, value: Any, options: tuple[str, ...] | dict) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
-
-
-def _validate_transformer(model: Any) -> None:
-    for key in ("n_layer", "n_head", "d_model", "d_head", "d_inner", "tgt_len"):
-        if getattr(model, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(model, key)} must be > 0")
-    if model.mem_len < 0:
-        raise ConfigError(f"model.mem_len={model.mem_len} must be >= 0")
-    if model.d_embed is not None and model.d_embed <= 0:
-        raise ConfigError(f"model.d_embed={model.d_embed} must be > 0")
-    for key in ("dropout", "dropatt", "dropemb", "dropinp", "dropfor", "dropatt_out"):
-        value = getattr(model, key)
-        if value is not None and not 0.0 <= value < 1.0:
-            raise ConfigError(f"model.{key}={value} must be in [0, 1)")
-    if model.div_val < 1:
-        raise ConfigError(f"model.div_val={model.div_val} must be >= 1")
-    if list(model.cutoffs) != sorted(set(model.cutoffs)) or any(c <= 0 for c in model.cutoffs):
-        raise ConfigError(f"model.cutoffs={list(model.cutoffs)} must be increasing positive integers")
-    if model.tie_projs is not None and len(model.tie_projs) != len(model.cutoffs) + 1:
-        raise ConfigError(
-            f"model.tie_projs has {len(model.tie_projs)} entries; expected len(model.cutoffs)+1 "
-            f"= {len(model.cutoffs) + 1}"
-        )
-
-
-def _validate_cache(model: Any, cache: Any, query: Any, summary: Any) -> None:
-    if model.mem_len % model.tgt_len != 0:
-        raise ConfigError(
-            f"model.mem_len={model.mem_len} must be a multiple of model.tgt_len={model.tgt_len} "
-            f"for model={model.name} (SPEC §3, renewal)"
-        )
-    if cache.n_slot < 0 or cache.top_k < 0:
-        raise ConfigError(f"cache.n_slot={cache.n_slot} and cache.top_k={cache.top_k} must be >= 0")
-    if not cache.theta > 0:
-        raise ConfigError(f"cache.theta={cache.theta} must be > 0")
-    _choice("cache.alpha_norm", cache.alpha_norm, ALPHA_NORMS)
-    _choice("cache.pos", cache.pos, POS_MODES)
-    _choice("cache.backend", cache.backend, BACKENDS)
-    _choice("cache.faiss_index", cache.faiss_index, FAISS_INDEXES)
-    _choice("cache.renew", cache.renew, RENEWALS)
-    if cache.dtype is not None:
-        _choice("cache.dtype", cache.dtype, CACHE_DTYPES)
-    _choice("query.strategy", query.strategy, STRATEGIES)
-    _choice("summary.name", summary.name, SUMMARIES)
-    if cache.backend == "faiss" and cache.renew != "fifo":
-        raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
-    if cache.backend == "faiss" and cache.alpha_norm == "original":
-        raise ConfigError(
-            "cache.alpha_norm=original needs every slot's score; cache.backend=faiss supports all|topk"
-        )
-    if cache.backend == "faiss" and SUMMARIES[summary.name].row_keys:
-        raise ConfigError(
-            f"cache.backend=faiss does not support summary={summary.name} (one key per slot needed)"
-        )
-    allowed = valid_summaries(query.strategy)
-    if summary.name not in allowed:
-        by_kind: dict[str, list[str]] = {}
-        for q in STRATEGIES:
-            by_kind.setdefault("|".join(valid_summaries(q)), []).append(q)
-        pairs = "; ".join(f"{'|'.join(qs)} with {s}" for s, qs in by_kind.items())
-        raise ConfigError(
-            f"query={query.strategy} cannot be paired with summary={summary.name}. Valid pairs: {pairs}"
-        )
-    if summary.d_key is not None and summary.d_key <= 0:
-        raise ConfigError(f"summary.d_key={summary.d_key} must be > 0")
-    ngram = getattr(summary, "ngram", None)
-    if ngram is not None and ngram != 1:
-        if not SUMMARIES[summary.name].row_keys:
-            raise ConfigError(f"summary.ngram={ngram} applies to summary=token_max only, not {summary.name}")
-    if ngram is not None and not 1 <= ngram <= model.tgt_len:
-        raise ConfigError(f"summary.ngram={ngram} must be in 1..model.tgt_len ({model.tgt_len})")
-    shift = getattr(summary, "shift", None)
-    if shift is not None and shift not in (0, 1):
-        raise ConfigError(f"summary.shift={shift} must be 0 or 1")
-    if shift not in (None, 0) and not SUMMARIES[summary.name].row_keys:
-        raise ConfigError(f"summary.shift={shift} applies to summary=token_max only, not {summary.name}")
-    if query.tanh and not STRATEGIES[query.strategy].learned:
-        learned = "|".join(q for q, cls in STRATEGIES.items() if cls.learned)
-        raise ConfigError(
-            f"query.tanh=true applies to the strategies with weights ({learned}), not query={query.strategy}"
-        )
-    if summary.name == "conv":
-        _validate_conv(model)
-    _validate_layers(model, cache)
-
-
-def _validate_layers(model: Any, cache: Any) -> None:
-    n = model.n_layer
-    if cache.layers is not None:
-        if not 1 <= cache.layers <= n:
-            raise ConfigError(f"cache.layers={cache.layers} must be in 1..model.n_layer={n} (null: all)")
-        if cache.layers < n and model.mem_len < model.tgt_len:
-            raise ConfigError(
-                f"cache.layers={cache.layers} needs model.mem_len >= model.tgt_len (the shared lower "
-                f"layers' memory); got mem_len={model.mem_len}"
-            )
-        below = n - cache.layers
-        if cache.layers < n and cache.key_layer not in (None, below):
-            raise ConfigError(
-                f"cache.key_layer={cache.key_layer}: with cache.layers={cache.layers} keys and queries come "
-                f"from layer {below}, the input of the first retrieving layer (leave key_layer null)"
-            )
-    if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
-        raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
-
-
-def _validate_conv(model: Any) -> None:
-    H, d, L = model.n_head, model.d_model, model.tgt_len
-    if d % H != 0 or H > L or conv_out_len(L, d, H) != d // H:
-        raise ConfigError(
-            f"summary=conv needs model.d_model ({d}) divisible by model.n_head ({H}), n_head <= tgt_len ({L}) "
-            f"and a conv output of d_model/n_head = {d // H} per head (got {conv_out_len(L, d, H)})"
-        )
+    Raises:
+        ConfigError: one line naming the offending key and value.
+    """
+    spec = model_specs(source)
+    return model_class(spec.model.name).resolve(spec)
 
 
 def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:
-    """Check a model's config before any work starts (SPEC §1-3).
-
-    Args:
-        model, cache, query, summary: nodes with the fields of :class:`crtn.config.ModelConfig`,
-            ``CacheConfig``, ``QueryConfig``, ``SummaryConfig``; the last three are needed
-            by models with a cache.
+    """Check a model's options before any work starts (:func:`resolve_spec` of the four groups;
+    ``cache``, ``query`` and ``summary`` may be omitted for models without a cache).
 
     Raises:
         ConfigError: one line naming the offending key and value.
     """
     cls = model_class(model.name)
-    _validate_transformer(model)
-    if not cls.has_cache:
-        return
-    if cache is None or query is None or summary is None:
+    if cls.has_cache and (cache is None or query is None or summary is None):
         raise ConfigError(f"model.name={model.name} needs the cache, query and summary config nodes")
-    _validate_cache(model, cache, query, summary)
+    parts = {"model": model, "cache": cache, "query": query, "summary": summary}
+    defaults = Spec()
+    resolve_spec(Spec(**{k: defaults.__dict__[k] if v is None else v for k, v in parts.items()}))
 
 
-def build_model(cfg: Any, n_token: int) -> TransformerLM:
-    """Build the model a config describes.
+def evaluation_spec(spec: Spec, ev: Any) -> Spec:
+    """The spec of evaluation-time settings (docs/method.md §5): ``ev`` (an object with the fields
+    of :class:`crtn.config.EvalSpec`) replaces ``tgt_len``, ``mem_len``, ``clamp_len``,
+    ``same_length`` and, for models with a cache, ``n_slot`` and ``top_k`` where it is not None;
+    ``mem_len`` is ignored by models without memory and the cache sizes by models without a cache,
+    so one setting serves every model of a sweep.
+
+    Raises:
+        ConfigError: a new ``tgt_len`` for a summary or strategy whose weights are built for the
+            trained one; any rule of :func:`resolve_spec` the new values break (named ``eval.*``
+            where the value came from ``ev``).
+    """
+    spec = resolve_spec(spec)
+    cls = model_class(spec.model.name)
+    lengths = {k: getattr(ev, k, None) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
+    if not cls.has_memory:
+        lengths.pop("mem_len")
+    changed = {k: v for k, v in lengths.items() if v is not None and v != getattr(spec.model, k)}
+    if "tgt_len" in changed and cls.has_cache:
+        bound = [
+            name
+            for name, cls_ in ((spec.summary.name, SUMMARIES), (spec.query.strategy, STRATEGIES))
+            if cls_[name].length_bound
+        ]
+        if bound:
+            raise ConfigError(
+                f"eval.tgt_len={changed['tgt_len']} differs from the trained tgt_len={spec.model.tgt_len}, "
+                f"but summary={spec.summary.name} / query={spec.query.strategy} has weights built for it"
+            )
+    cache = {k: getattr(ev, k, None) for k in ("n_slot", "top_k")} if cls.has_cache else {}
+    cache = {k: v for k, v in cache.items() if v is not None}
+    if not changed and not cache:
+        return spec
+    new = replace(spec, model=replace(spec.model, **changed), cache=replace(spec.cache, **cache))
+    try:
+        return resolve_spec(new)
+    except ConfigError as e:  # the rule is the model's; the values are the evaluation's: name them so
+        message = str(e)
+        for key in ("tgt_len", "mem_len", "clamp_len", "same_length"):
+            message = message.replace(f"model.{key}=", f"eval.{key}=")
+        for key in ("n_slot", "top_k"):
+            message = message.replace(f"cache.{key}=", f"eval.{key}=")
+        raise ConfigError(message) from None
+
+
+def build_model(spec: Any, n_token: int) -> TransformerLM:
+    """Build the model a spec describes (resolved first, :func:`resolve_spec`).
 
     Args:
-        cfg: a node with ``model``, ``cache``, ``query`` and ``summary`` children
-            (the ``crtn-train`` config or a checkpoint's stored config).
+        spec: an object with ``model``, ``cache``, ``query`` and ``summary`` (a run spec, a
+            :class:`Spec`, or a checkpoint's stored spec loaded by ``crtn.checkpoint``).
         n_token: vocabulary size.
 
     Raises:
-        ConfigError: invalid values or pairings (see :func:`validate_model`).
+        ConfigError: invalid values or pairings.
     """
-    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
-    cls = model_class(cfg.model.name)
-    if cls.has_cache:
-        return cls(n_token, cfg.model, cache=cfg.cache, query=cfg.query, summary=cfg.summary)
-    return cls(n_token, cfg.model)
+    resolved = resolve_spec(spec)
+    return model_class(resolved.model.name)(n_token, resolved)
+
+
+def with_spec(model: TransformerLM, spec: Any) -> TransformerLM:
+    """``model``'s parameters (the very same Parameter objects, so later updates show) in a model
+    built for ``spec`` (e.g. :func:`evaluation_spec`), on the same device, in the same mode.
+    Returns ``model`` itself when the resolved spec is its own.
+
+    Raises:
+        ConfigError: invalid values; RuntimeError: a spec whose parameters differ (another size).
+    """
+    resolved = resolve_spec(spec)
+    if resolved == model.spec:
+        return model
+    twin = build_model(resolved, model.n_token)
+    twin.load_state_dict(model.state_dict(keep_vars=True), assign=True)
+    device = next(model.parameters()).device
+    return twin.to(device).train(model.training)

@@ -1,6 +1,7 @@
-"""Relative multi-head attention of Transformer-XL, extended with retrieved cache segments.
+"""Relative multi-head attention of Transformer-XL (Dai et al. 2019, section 3.3, eq. A_rel;
+docs/method.md §2), with retrieved cache segments (``retrieved.py``).
 
-Transformer-XL layer n for segment tau (SPEC §2; Dai et al. 2019, eq. A_rel; seed 000):
+Transformer-XL layer n for segment tau:
 
     h~ = [SG(m) o h]                                   memory, then the current segment
     q, k, v = h W_q, h~ W_{k,E}, h~ W_v
@@ -8,29 +9,16 @@ Transformer-XL layer n for segment tau (SPEC §2; Dai et al. 2019, eq. A_rel; se
             = (q_i + u).k_j  +  (q_i + v).(W_{k,R} R_{i-j})        ("AC" + "BD")
     a = Masked-Softmax(A / sqrt(d_head)) v
 
-For CRTN (SPEC §3 step 3) every query token j also attends to the L rows of each of
-its k retrieved segments Z_{j,1..k}, placed before the memory:
-
-    keys   from [Z_{j,1}; ...; Z_{j,k}; S; H_t]                 (unweighted)
-    values from [a_{j,1} Z_{j,1}; ...; a_{j,k} Z_{j,k}; S; H_t]  (weighted by alpha)
-
-The memory and current segment are shared by all tokens and handled exactly as in
-Transformer-XL. The retrieved rows differ per token, so projecting them per token
-(k*L rows of d per token and layer) would cost O(B L k L d^2). Instead the keys
-and values of retrieved rows are never formed (SPEC §3, "Efficient main pass"):
-
-    (q_j + u) . (W_{k,E} z)  =  (W_{k,E}^T (q_j + u)) . z        query folded into model space
-    sum_r p_{j,r} alpha W_v z_r  =  W_v (sum_r p_{j,r} alpha z_r)  mix first, project once
-
-so each token costs O(H d) per retrieved row, and alpha scales the attention
-probabilities of its segment. ``tests/test_crtn_reference.py`` checks this against
-a naive per-token loop that builds every context explicitly.
+The position term "BD" is computed once per distance and moved into place by the relative shift
+(:func:`rel_shift`). ``model.sdpa`` computes the same function through
+``F.scaled_dot_product_attention`` (:func:`sdpa_attention`). For CRTN (docs/method.md §3 step 3)
+every query token also attends to the rows of its retrieved segments:
+:func:`crtn.model.retrieved.attend_with_cache`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,8 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crtn.model.dropout import make_dropout
-from crtn.model.evalkv import kv_mix, kv_scores
-from crtn.model.fused import rel_shift, sdpa_attention
+from crtn.model.retrieved import CacheContext, RealPositions, attend_with_cache
 
 
 class PositionalEmbedding(nn.Module):
@@ -67,122 +54,49 @@ class PositionalEmbedding(nn.Module):
         return torch.cat([ang.sin(), ang.cos()], -1).to(dtype)
 
 
-@dataclass
-class CacheContext:
-    """The segments retrieved for each token of the current segment (SPEC §3 steps 2-3).
+def rel_shift(x: Tensor) -> Tensor:
+    """Transformer-XL's relative shift of the position scores.
 
-    Shapes: B batch rows, L tokens, k retrieved segments per token, Ls rows per segment,
-    d model width, n layers.
-
-    Attributes:
-        values: [n+1, B*N, Ls, d] cached hidden states of every slot (gradient-stopped),
-            layer-major so that ``values[layer]`` is one contiguous block.
-        index: [B, L, k] flat slot index ``b * N + slot`` of each retrieved segment,
-            ordered by stream position, oldest first.
-        alpha: [B, L, k] retrieval weights (differentiable w.r.t. the query).
-        weighted: whether alpha scales the values (``cache.weighted``).
-        age: [B, L, k] distance in tokens from the current segment's first token to the
-            first token of each retrieved segment (for ``cache.pos=real``), else None.
-        first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
-            stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
-        kv: [n_kv, 2, B*N, H, Ls, d_h] projected keys and values of every slot (evaluation,
-            ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
+    Input ``x[..., i, c]`` [..., L, K] holds the score of query i against distance
+    ``K-1-c`` (position sequence K-1, ..., 0). Output ``y[..., i, j]`` is the score of
+    query i (at position K-L+i) against key position j, i.e. distance K-L+i-j. Entries
+    with j > K-L+i (future keys) are garbage and must be masked by the caller.
     """
-
-    values: Tensor
-    index: Tensor
-    alpha: Tensor
-    weighted: bool
-    age: Tensor | None = None
-    first_layer: int = 0
-    kv: Tensor | None = None
-
-    @property
-    def k(self) -> int:
-        return self.index.shape[-1]
-
-    @property
-    def seg_len(self) -> int:
-        return self.values.shape[2]
+    *lead, qlen, klen = x.shape
+    x = F.pad(x, (1, 0))  # [..., L, K+1]
+    x = x.view(*lead, klen + 1, qlen)[..., 1:, :]
+    return x.reshape(*lead, qlen, klen)
 
 
-class _RetrievedProduct(torch.autograd.Function):
-    """Batched product of per-token operands with each token's retrieved rows, never materialised.
-
-    For token n, let Z_n = f(values[index[n]]) be its k retrieved segments' rows, [k*Ls, d]
-    (f: cast to the compute dtype, and a parameter-free LayerNorm when ``normalize``).
-
-        mode "scores":  a [T, H, d] -> a_n Z_n^T  [T, H, k*Ls]     (d/da: g_n Z_n)
-        mode "mix":     a [T, H, k*Ls] -> a_n Z_n  [T, H, d]       (d/da: g_n Z_n^T)
-
-    Z is gathered chunk by chunk into a small buffer that stays in cache, and gathered
-    again in backward instead of being saved: a plain gather would allocate and keep
-    T*k*Ls*d values per layer (134 MB at B=16, L=64, k=2, d=256). No gradient flows to
-    the cached values (they are gradient-stopped, SPEC §3). ``values`` is saved with
-    ``save_for_backward`` (no copy), so a backward pass after the cache was renewed in
-    place raises autograd's "modified by an inplace operation" error instead of
-    silently using the new values.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool, eps: float
-    ) -> Tensor:
-        ctx.mode, ctx.normalize, ctx.eps = mode, normalize, eps
-        ctx.save_for_backward(values, index)
-        T, k = index.shape
-        C, d = k * values.shape[1], values.shape[2]
-        out = a.new_empty(T, a.shape[1], C if mode == "scores" else d)
-        for s, e, z in _retrieved_chunks(values, index, a.dtype, normalize=normalize, eps=eps):
-            torch.bmm(a[s:e], z.transpose(1, 2) if mode == "scores" else z, out=out[s:e])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        values, index = ctx.saved_tensors
-        grad = grad.contiguous()
-        T = index.shape[0]
-        C, d = index.shape[1] * values.shape[1], values.shape[2]
-        out = grad.new_empty(T, grad.shape[1], d if ctx.mode == "scores" else C)
-        for s, e, z in _retrieved_chunks(values, index, grad.dtype, normalize=ctx.normalize, eps=ctx.eps):
-            torch.bmm(grad[s:e], z if ctx.mode == "scores" else z.transpose(1, 2), out=out[s:e])
-        return out, None, None, None, None, None
-
-
-def _retrieved_chunks(values: Tensor, index: Tensor, dtype: torch.dtype, normalize: bool, eps: float):
-    """Yield (start, end, Z[start:end]) with Z [end-start, k*Ls, d] gathered into a reused buffer."""
-    T, k = index.shape
-    Ls, d = values.shape[1], values.shape[2]
-    per_token = k * Ls * d
-    # CPU: ~4 MB chunks stay in cache and reuse one allocation; GPU: one chunk
-    chunk = T if values.is_cuda else max(1, min(T, (1 << 20) // per_token))
-    buf = torch.empty(chunk * k, Ls, d, dtype=values.dtype, device=values.device)
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        z = torch.index_select(values, 0, index[s:e].reshape(-1), out=buf[: (e - s) * k])
-        z = z.view(e - s, k * Ls, d).to(dtype)
-        if normalize:
-            z = F.layer_norm(z, (d,), eps=eps)
-        yield s, e, z
-
-
-def retrieved_product(
-    a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool = False, eps: float = 1e-5
+def sdpa_attention(
+    q: tuple[Tensor, Tensor], k: Tensor, v: Tensor, *, r_head_k: Tensor, mask: Tensor, dropout: float
 ) -> Tensor:
-    """Per-token products with the retrieved segments' rows (SPEC §3 step 3, the cache part of
-    the main pass), computed without materialising the gathered rows; see :class:`_RetrievedProduct`.
+    """softmax(((q+u).k + (q+v).W_{k,R} R) / sqrt(d_h)) v through ``F.scaled_dot_product_attention``.
 
     Args:
-        a: [T, H, d] (``mode="scores"``) or [T, H, k*Ls] (``mode="mix"``), one row per token.
-        values: [B*N, Ls, d] one layer of the cache (gradient-stopped; cast to ``a``'s dtype).
-        index: [T, k] long, rows of ``values`` retrieved by each token.
-        mode: ``"scores"`` -> [T, H, k*Ls]; ``"mix"`` -> [T, H, d].
-        normalize: apply a parameter-free LayerNorm (``eps``) to the rows first (pre-LN).
+        q: (rw_q, rr_q), [B, L, H, d_h] each, q + u and q + v.
+        k, v: [B, K, H, d_h] keys and values of [memory; segment].
+        r_head_k: [K, H, d_h] W_{k,R} R of the distances K-1 .. 0.
+        mask: bool, True = masked, broadcastable to [B, H, L, K].
+        dropout: attention-probability dropout (0 at evaluation).
 
-    Raises:
-        RuntimeError: from ``torch.bmm`` when the shapes above do not hold.
+    Returns:
+        [B, L, H d_h].
     """
-    return _RetrievedProduct.apply(a, values, index, mode, normalize, eps)
+    rw_q, rr_q = q
+    B, L, H, dh = rw_q.shape
+    scale = 1.0 / math.sqrt(dh)
+    bd = rel_shift(torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0)))  # [B, H, L, K]
+    bias = (bd * scale).masked_fill(mask, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        rw_q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=bias,
+        dropout_p=dropout,
+        scale=scale,
+    )
+    return out.transpose(1, 2).reshape(B, L, H * dh)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -304,8 +218,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             attn_vec = torch.matmul(prob, v.transpose(1, 2))  # [B, H, L, dh]
             attn_vec = attn_vec.transpose(1, 2).reshape(B, L, H * dh)
         else:
-            attn_vec = self._attend_with_cache(
-                score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
+            attn_vec = attend_with_cache(
+                self, score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
             )
 
         return self._output(h, attn_vec)
@@ -321,164 +235,6 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """Keys and values of memory rows, W_{k,E} and W_v of (LayerNorm'ed) ``mem`` [B, M, d] -> [B, M, 2 H d_h]."""
         x = self.layer_norm(mem) if self.pre_lnorm else mem
         return F.linear(x, self.qkv_net.weight[self.n_head * self.d_head :])
-
-    def _attend_with_cache(
-        self,
-        score: Tensor,
-        bd_cache: Tensor,
-        *,
-        q: tuple[Tensor, Tensor],
-        v: Tensor,
-        cache: CacheContext,
-        layer: int,
-        real_pos: RealPositions | None,
-    ) -> Tensor:
-        """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows.
-
-        score: [B, H, L, M+L] memory/segment scores; bd_cache: [B, H, L, C] position scores
-        of the retrieved rows (``pos=concat``); q = (rw_q, rr_q): [B, L, H, d_h] q+u, q+v;
-        v: [B, M+L, H, d_h]. Returns [B, L, H d_h].
-        """
-        rw_q, rr_q = q
-        B, L = rw_q.shape[:2]
-        H, dh = self.n_head, self.d_head
-        index = cache.index.reshape(B * L, cache.k)
-        C = cache.k * cache.seg_len
-        kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [2, B*N, H, Ls, dh]
-        if kv is not None:  # evaluation: projected keys kept (evalkv.py)
-            ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index)
-        else:
-            ac_c = self._folded_scores(rw_q, cache.values[layer - cache.first_layer], index)
-        ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
-        if real_pos is not None:
-            bd_c = real_pos.bd(rr_q, self.r_net.weight)  # [B, H, L, C]
-        else:
-            bd_c = bd_cache
-        score_c = ac_c + bd_c
-        prob = torch.softmax(torch.cat([score_c, score], -1) * self.scale, dim=-1)
-        prob = self.dropatt(prob)
-        prob_c, prob_m = prob.split([C, score.shape[-1]], dim=-1)
-        out = torch.matmul(prob_m, v.transpose(1, 2)).transpose(1, 2)  # [B, L, H, dh]
-        # value term: mix retrieved rows per head (scaled by alpha), then project with W_v
-        prob_c = prob_c.transpose(1, 2)  # [B, L, H, C]
-        if cache.weighted:
-            seg = cache.seg_len
-            prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
-        prob_c = prob_c.reshape(B * L, H, C)
-        if kv is not None:
-            mixed = kv_mix(prob_c, kv, index)  # [B*L, H, dh]
-        else:
-            mixed = self._folded_mix(prob_c, cache.values[layer - cache.first_layer], index)
-        out = out + mixed.view(B, L, H, dh)
-        return out.reshape(B, L, H * dh)
-
-    def _folded_scores(self, rw_q: Tensor, values: Tensor, index: Tensor) -> Tensor:
-        """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h],
-        values [B*N, Ls, d], index [B*L, k] -> [B*L, H, k*Ls]."""
-        B, L, H, dh = rw_q.shape
-        w_k = self.qkv_net.weight.view(3, H, dh, self.d_model)[1]
-        q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, self.d_model)
-        if self.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
-            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
-            return (
-                retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
-                + (q_model @ b)[..., None]
-            )
-        return retrieved_product(q_model, values, index, "scores")
-
-    def _folded_mix(self, prob_c: Tensor, values: Tensor, index: Tensor) -> Tensor:
-        """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls],
-        values [B*N, Ls, d], index [T, k] -> [T, H, d_h]."""
-        H, dh = self.n_head, self.d_head
-        w_v = self.qkv_net.weight.view(3, H, dh, self.d_model)[2]
-        if self.pre_lnorm:
-            g, b, eps = self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps
-            mix = (
-                retrieved_product(prob_c, values, index, mode="mix", normalize=True, eps=eps) * g
-                + prob_c.sum(-1, keepdim=True) * b
-            )
-        else:
-            mix = retrieved_product(prob_c, values, index, "mix")  # [T, H, d]
-        return torch.einsum("nhd,hed->nhe", mix, w_v)
-
-
-class RealPositions:
-    """Position term of retrieved rows at their true stream distance (``cache.pos=real``, SPEC §3).
-
-    Row r of a segment whose first token lies ``D`` tokens before the current segment's
-    first token is at distance ``D + j - r`` from token j. With R = [sin, cos] and the
-    angle-addition formula, ``(q_j + v).W_{k,R} R_{D+j-r}`` equals
-    ``rot_D(W_{k,R}^T (q_j + v)) . R_{j-r}``, where rot_D rotates each (sin, cos)
-    frequency pair by ``D w``. This costs O(H d) per retrieved row and never embeds
-    the (up to m + N L) distinct distances. Distances above ``clamp_len`` use
-    ``R_{clamp_len}`` as in Transformer-XL.
-
-    When the position embeddings are dropped out (training with ``dropout`` or ``dropinp``),
-    the rotation cannot carry a dropout mask per distance, so the model passes the dropped
-    table of every distance (:meth:`with_table`: the table whose rows the memory and the
-    current segment use too, as with ``cache.pos=concat``) and the scores are gathered
-    from it: O(B L H d_h D) for D distances, in training only.
-
-    Args:
-        pos_emb: the model's :class:`PositionalEmbedding`.
-        age: [B, L, k] long, distance of each retrieved segment's first row (``Selection.age``).
-        seg_len: Ls, rows per retrieved segment; q_len: L, tokens in the segment.
-        clamp_len: -1 for none.
-        dtype: compute dtype.
-    """
-
-    def __init__(
-        self,
-        pos_emb: PositionalEmbedding,
-        age: Tensor,
-        seg_len: int,
-        q_len: int,
-        clamp_len: int,
-        dtype: torch.dtype,
-    ):
-        self.pos_emb = pos_emb
-        self.age = age  # [B, L, k] long
-        self.table: Tensor | None = None
-        j = torch.arange(q_len, device=age.device)
-        r = torch.arange(seg_len, device=age.device)
-        self.dist = age[..., None] + (j[None, :, None, None] - r[None, None, None, :])  # [B, L, k, Ls]
-        self.rel = pos_emb(j[:, None] - r[None, :], dtype)  # [L, Ls, d]  R_{j-r}
-        ang = pos_emb.angles(age)  # [B, L, k, d/2] float64
-        self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
-        self.clamp_len = clamp_len
-        if clamp_len > 0:
-            self.clamped = self.dist > clamp_len
-            self.r_clamp = pos_emb(torch.tensor([float(clamp_len)], device=age.device), dtype)  # [1, d]
-
-    @property
-    def max_dist(self) -> int:
-        """The largest distance of a retrieved row (tokens)."""
-        return int(self.dist.max())
-
-    def with_table(self, table: Tensor) -> RealPositions:
-        """Use ``table`` [D, d] (row i: the dropped-out embedding of distance i, clamped as in
-        Transformer-XL; D > :attr:`max_dist`) for the position terms; returns self."""
-        self.table = table
-        return self
-
-    def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
-        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
-        B, L, H, dh = rr_q.shape
-        d = r_weight.shape[1]
-        if self.table is not None:
-            r_head = F.linear(self.table, r_weight).view(-1, H, dh)  # [D, H, dh]
-            every = torch.einsum("blhe,Dhe->bhlD", rr_q, r_head)  # [B, H, L, D]
-            index = self.dist.reshape(B, 1, L, -1).expand(B, H, L, self.dist[0, 0].numel())
-            return every.gather(-1, index)
-        w = torch.einsum("blhe,hed->blhd", rr_q, r_weight.view(H, dh, d))  # [B, L, H, d]
-        ws, wc = w[..., None, :, : d // 2], w[..., None, :, d // 2 :]  # [B, L, 1, H, d/2]
-        cos, sin = self.cos[:, :, :, None], self.sin[:, :, :, None]  # [B, L, k, 1, d/2]
-        rot = torch.cat([ws * cos - wc * sin, ws * sin + wc * cos], -1)  # [B, L, k, H, d]
-        bd = torch.einsum("blkhd,lrd->bhlkr", rot, self.rel)  # [B, H, L, k, Ls]
-        if self.clamp_len > 0:
-            bd_clamp = torch.einsum("blhd,d->bhl", w, self.r_clamp[0])[..., None, None]
-            bd = torch.where(self.clamped[:, None], bd_clamp, bd)
-        return bd.reshape(B, H, L, -1)
 
 
 class PositionwiseFF(nn.Module):

@@ -25,8 +25,9 @@ all valid slots are taken. The weights alpha (``cache.alpha_norm``):
 
 The ``faiss`` backend finds the top-k with one faiss index per batch row and then
 recomputes the k scores in torch, so gradients reach the query exactly as with the
-``torch`` backend; alpha is then normalised over the top-k (``original`` needs every
-score and is not offered with faiss).
+``torch`` backend. It sees the k best scores only, so it computes exactly what ``torch``
+computes for ``alpha_norm=topk`` alone; ``all`` and ``original`` need every slot's score and
+are refused with faiss (:func:`resolve_cache`).
 
 Renewal (SPEC §3 step 5): ``fifo`` drops the oldest slot; ``least_used`` the slot selected
 least often since it entered; ``discard_worst`` (the authors' option) the slot with the
@@ -37,7 +38,6 @@ slot not yet scored is kept). Ties go to the oldest slot.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from crtn.errors import ConfigError, check_choice
+from crtn.model.faiss_index import FaissRows
+from crtn.model.spec import CacheSpec
 from crtn.model.summary import Summary
 
 #: the options of the ``cache`` config node that this module implements
@@ -62,6 +65,46 @@ _DTYPES = {
     "float64": torch.float64,
 }
 CACHE_DTYPES = tuple(_DTYPES)
+
+
+def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
+    """Check the cache's own options (docs/method.md §3 steps 2 and 5, "Retrieval backends");
+    nothing to fill (``cache.layers`` and ``cache.key_layer`` belong to the model,
+    :meth:`crtn.model.crtn.CRTN.resolve`).
+
+    Args:
+        spec: the ``cache`` group; summary: the class of the model's summary (faiss needs one key
+            per slot).
+
+    Raises:
+        ConfigError: one line naming the key: negative sizes, theta <= 0, an unknown option,
+            faiss with a renewal other than fifo, with ``alpha_norm`` other than topk, or with a
+            summary whose keys are several rows.
+    """
+    if spec.n_slot < 0 or spec.top_k < 0:
+        raise ConfigError(f"cache.n_slot={spec.n_slot} and cache.top_k={spec.top_k} must be >= 0")
+    if not spec.theta > 0:
+        raise ConfigError(f"cache.theta={spec.theta} must be > 0")
+    check_choice("cache.alpha_norm", spec.alpha_norm, ALPHA_NORMS)
+    check_choice("cache.pos", spec.pos, POS_MODES)
+    check_choice("cache.backend", spec.backend, BACKENDS)
+    check_choice("cache.faiss_index", spec.faiss_index, FAISS_INDEXES)
+    check_choice("cache.renew", spec.renew, RENEWALS)
+    if spec.dtype is not None:
+        check_choice("cache.dtype", spec.dtype, CACHE_DTYPES)
+    if spec.backend == "faiss":
+        if spec.renew != "fifo":
+            raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
+        if spec.alpha_norm != "topk":
+            raise ConfigError(
+                f"cache.alpha_norm={spec.alpha_norm} needs every slot's score, but cache.backend=faiss "
+                "scores only the k it retrieves: use cache.alpha_norm=topk with faiss, or cache.backend=torch"
+            )
+        if summary.row_keys:
+            raise ConfigError(
+                f"cache.backend=faiss does not support summary={summary.name} (one key per slot needed)"
+            )
+    return spec
 
 
 @dataclass
@@ -111,8 +154,7 @@ class SegmentCache:
         backend: str = "torch",
         faiss_opts: dict | None = None,
     ):
-        if n_slot <= 0:
-            raise ValueError(f"cache.n_slot={n_slot} must be > 0 to build a cache")
+        assert n_slot > 0, "a cache has at least one slot (CacheSpec.enabled)"
         self.n_slot, self.batch_size, self.renew = n_slot, batch_size, renew
         self.summary = summary
         self.key_layer = key_layer
@@ -129,7 +171,7 @@ class SegmentCache:
         self.kv: Tensor | None = None
         self.kv_fresh: Tensor | None = None  # [B, N] bool
         self.n_insert = 0
-        self._faiss: _FaissRows | None = None
+        self._faiss: FaissRows | None = None
         self._pending: tuple | None = None
         self.select_seconds = 0.0  # wall time spent in select() (host time; faiss syncs anyway)
 
@@ -241,7 +283,7 @@ class SegmentCache:
         self.n_insert += 1
         if self.backend == "faiss":
             if self._faiss is None:
-                self._faiss = _FaissRows(B, self.n_slot, self.faiss_opts)
+                self._faiss = FaissRows(B, self.n_slot, self.faiss_opts)
             self._faiss.add(self._flat_keys(b, slot))
 
     def _write_kv(self, kv: Tensor | None, rows: Tensor, b: Tensor, slot: Tensor) -> None:
@@ -302,7 +344,7 @@ class SegmentCache:
             query: [B, L, d_key] queries (``token_max``: [B, L, d]), scored by the cache's summary.
             top_k: k; ``min(k, n_valid)`` slots are taken.
             alpha_norm: ``all``, ``topk`` or ``original`` (module docstring); the faiss
-                backend always normalises over the top-k.
+                backend computes ``topk`` only (:func:`resolve_cache` refuses the others).
             t0: stream position of the current segment's first token.
             theta: temperature multiplying the scores before every softmax.
             count: add the selections to ``usage`` and the scorings to ``scored`` (False:
@@ -325,6 +367,8 @@ class SegmentCache:
         k = min(top_k, nv)
         if self.backend == "faiss":
             assert self._faiss is not None and query is not None
+            if alpha_norm != "topk":
+                raise ValueError(f"alpha_norm={alpha_norm}: the faiss backend computes alpha_norm=topk only")
             B, L = query.shape[:2]
             q_np = query.detach().reshape(B, L, -1).float().cpu().numpy()
             slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
@@ -401,7 +445,7 @@ class SegmentCache:
     def _rebuild_faiss(self) -> None:
         """Re-create the faiss indexes from the stored keys, oldest first."""
         assert self.pos is not None
-        self._faiss = _FaissRows(self.batch_size, self.n_slot, self.faiss_opts)
+        self._faiss = FaissRows(self.batch_size, self.n_slot, self.faiss_opts)
         nv = self.n_valid
         order = self.pos[:, :nv].argsort(1)  # FIFO: the same order in every row
         b = torch.arange(self.batch_size, device=order.device)
@@ -424,78 +468,8 @@ def _scaled(scores: Tensor, theta: float) -> Tensor:
     return scores if theta == 1.0 else scores * theta
 
 
-class _FaissRows:
-    """One faiss inner-product index per batch row, for large N at evaluation (SPEC §3 backends).
-
-    Slots enter in FIFO order and receive sequence numbers 0, 1, 2, ...; the slot of
-    sequence number s is ``s % N``. Entries are never removed from an index (HNSW
-    cannot remove): a search is restricted to the live sequence numbers
-    [n_insert - N, n_insert) with an ``IDSelectorRange``, and an index is rebuilt from
-    the live keys once it holds 2N entries, so ids stay consistent and the work per
-    step stays O(1) amortised.
-    """
-
-    def __init__(self, batch_size: int, n_slot: int, opts: dict):
-        import faiss  # deferred: only the faiss backend needs it
-
-        self.faiss = faiss
-        self.batch_size, self.n_slot, self.opts = batch_size, n_slot, opts
-        self.indexes: list[Any] = []
-        self.first_seq = 0  # sequence number of internal id 0
-        self.n_seq = 0  # sequence numbers handed out
-        self._live: deque[np.ndarray] = deque(maxlen=n_slot)  # live keys, oldest first, for rebuilds
-
-    def _new_index(self, d: int) -> Any:
-        faiss = self.faiss
-        if self.opts.get("index", "flat") == "hnsw":
-            index = faiss.IndexHNSWFlat(d, int(self.opts.get("hnsw_m", 32)), faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = int(self.opts.get("hnsw_ef_construction", 64))
-            return index
-        return faiss.IndexFlatIP(d)
-
-    def add(self, keys: np.ndarray, count: bool = True) -> None:
-        """Add one key per row: keys [B, d_key] float32."""
-        keys = np.ascontiguousarray(keys, dtype=np.float32)
-        if not self.indexes:
-            self.indexes = [self._new_index(keys.shape[1]) for _ in range(self.batch_size)]
-        if self.indexes[0].ntotal >= 2 * self.n_slot:
-            self._rebuild()
-        for b, index in enumerate(self.indexes):
-            index.add(keys[b : b + 1])
-        self._live.append(keys)
-        if count:
-            self.n_seq += 1
-
-    def _rebuild(self) -> None:
-        live = list(self._live)[1:]  # the oldest is being replaced
-        self.first_seq = self.n_seq - len(live)
-        self.indexes = [self._new_index(self.indexes[0].d) for _ in range(self.batch_size)]
-        for keys in live:
-            for b, index in enumerate(self.indexes):
-                index.add(keys[b : b + 1])
-
-    def search(self, queries: np.ndarray, k: int, n_insert: int) -> np.ndarray:
-        """Top-k live slots per query: queries [B, L, d_key] float32 -> slots [B, L, k] int64."""
-        faiss = self.faiss
-        lo = max(0, n_insert - self.n_slot) - self.first_seq
-        hi = n_insert - self.first_seq
-        sel = faiss.IDSelectorRange(lo, hi)
-        if self.opts.get("index", "flat") == "hnsw":
-            params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(self.opts.get("hnsw_ef_search", 128)))
-        else:
-            params = faiss.SearchParameters(sel=sel)
-        B, L, _ = queries.shape
-        out = np.empty((B, L, k), dtype=np.int64)
-        for b, index in enumerate(self.indexes):
-            _, ids = index.search(np.ascontiguousarray(queries[b]), k, params=params)
-            if (ids < 0).any():  # approximate search returned fewer than k: pad with the newest slot
-                ids = np.where(ids < 0, hi - 1, ids)
-            out[b] = (ids + self.first_seq) % self.n_slot
-        return out
-
-
 class RetrievalStats:
-    """What retrieval did over an evaluation (issue 11): histograms accumulated on device.
+    """What retrieval did over an evaluation: histograms accumulated on device.
 
     - distances of the selected segments, in segments (``age // seg_len``; times ``seg_len``
       for tokens);

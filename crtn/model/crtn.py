@@ -19,17 +19,19 @@ Transformer-XL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from crtn.model.attention import CacheContext, RealPositions
-from crtn.model.cache import SegmentCache, Selection
+from crtn.errors import ConfigError, check_choice
+from crtn.model.cache import SegmentCache, Selection, resolve_cache
 from crtn.model.evalkv import keep_last, slot_layout
-from crtn.model.query import QueryInputs, make_query
-from crtn.model.summary import make_summary
+from crtn.model.query import STRATEGIES, QueryInputs
+from crtn.model.retrieved import CacheContext, RealPositions
+from crtn.model.spec import CacheSpec, ModelSpec, Spec
+from crtn.model.summary import SUMMARIES
 from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
 
 
@@ -68,12 +70,13 @@ class CRTNState(State):
 
 
 class CRTN(TransformerLM):
-    """Transformer-XL with a key-value cache of past segments (``model=crtn``, SPEC §3).
+    """Transformer-XL with a key-value cache of past segments (``model=crtn``, docs/method.md §3).
 
     Args:
         n_token: vocabulary size.
-        model: :class:`crtn.config.ModelConfig`-like node.
-        cache, query, summary: ``CacheConfig``, ``QueryConfig``, ``SummaryConfig`` nodes.
+        spec: a resolved :class:`crtn.model.spec.Spec` (:meth:`resolve`): ``spec.model`` as for
+            Transformer-XL; ``spec.cache``, ``spec.query`` and ``spec.summary`` the cache and
+            its retrieval.
 
     Modules beyond Transformer-XL: ``summary`` (keys and window queries, ``summary.py``)
     and ``query`` (the strategy, ``query.py``); their parameter names (``summary.proj``,
@@ -82,85 +85,80 @@ class CRTN(TransformerLM):
 
     has_cache = True
 
-    def __init__(self, n_token: int, model: Any, cache: Any, query: Any, summary: Any):
-        super().__init__(n_token, model)
-        self.cache_cfg, self.query_cfg = cache, query
-        self.n_slot, self.top_k = cache.n_slot, cache.top_k
-        # retrieval in the upper cache.layers layers only (None: all, the paper's model): the
-        # layers below run once, shared by the query and the main pass (issue 15)
-        self.retrieve_from = 0 if cache.layers is None else model.n_layer - cache.layers
-        # the hidden layer (0: embeddings .. n: top) whose states make keys and queries
-        self.key_layer = (
-            cache.key_layer if cache.key_layer is not None else (self.retrieve_from or model.n_layer)
-        )
-        self.summary = make_summary(
-            summary.name,
-            seg_len=model.tgt_len,
-            d_model=model.d_model,
-            d_key=summary.d_key,
-            tanh=summary.tanh,
-            n_head=model.n_head,
-            ngram=summary.ngram,
-            shift=summary.shift,
-        )
-        self.query = make_query(
-            query.strategy, model.tgt_len, d_model=model.d_model, d_key=self.summary.d_query, tanh=query.tanh
-        )
-        # R_prev is kept for the strategies that read it and for token_max's n-gram lead-in
-        self.needs_r_prev = self.query.needs_r_prev or self.summary.ngram > 1
+    def __init__(self, n_token: int, spec: Spec):
+        super().__init__(n_token, spec)
+        m, c = spec.model, spec.cache
+        # retrieval in the upper cache.layers layers only (all: the paper's model): the layers
+        # below run once, shared by the query and the main pass (docs/method.md §3)
+        self.retrieve_from = m.n_layer - c.layers
+        self.key_layer = c.key_layer  # the hidden layer (0: embeddings .. n: top) of keys and queries
+        self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
+        self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
+        self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach
+        # R_prev is kept for the strategies that read it and for the summaries' query lead-in
+        self.needs_r_prev = self.query.needs_r_prev or self.summary.query_lead_rows > 0
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
         )
 
-    def reset_length(
-        self,
-        tgt_len: int | None = None,
-        mem_len: int | None = None,
-        clamp_len: int | None = None,
-        same_length: bool | None = None,
-        n_slot: int | None = None,
-        top_k: int | None = None,
-    ) -> None:
-        """Change lengths and the cache size for evaluation (SPEC §5).
+    @property
+    def n_slot(self) -> int:
+        """N, cached segments per stream (``cache.n_slot``)."""
+        return self.spec.cache.n_slot
+
+    @property
+    def top_k(self) -> int:
+        """k, segments retrieved per token (``cache.top_k``)."""
+        return self.spec.cache.top_k
+
+    @classmethod
+    def resolve(cls, spec: Spec) -> Spec:
+        """Transformer-XL's resolution (:meth:`TransformerLM.resolve`), then the cache's
+        (:func:`crtn.model.cache.resolve_cache`), the strategy's (pairing, ``query.tanh``), the
+        summary's (``ngram``, ``shift``, ``d_key``...) and the model's own: ``mem_len`` a multiple
+        of ``tgt_len`` (renewal, docs/method.md §3 step 5), ``cache.layers`` (None: all) and
+        ``cache.key_layer`` (None: the top, or the input of the first retrieving layer).
 
         Raises:
-            ValueError: a new tgt_len with a summary or query whose weights depend on L.
+            ConfigError: one line naming the offending key and value.
         """
-        if tgt_len is not None and tgt_len != self.tgt_len:
-            if self.summary.length_bound or self.query.length_bound:
-                raise ValueError(
-                    f"eval.tgt_len={tgt_len} differs from the trained tgt_len={self.tgt_len}, but "
-                    f"summary={self.summary.name} / query={self.query.strategy} has weights built for it"
-                )
-        super().reset_length(tgt_len, mem_len, clamp_len, same_length)
-        if tgt_len is not None:
-            self.summary.seg_len = self.query.seg_len = tgt_len
-        if n_slot is not None:
-            self.n_slot = n_slot
-        if top_k is not None:
-            self.top_k = top_k
+        spec = super().resolve(spec)
+        m = spec.model
+        if m.mem_len % m.tgt_len != 0:
+            raise ConfigError(
+                f"model.mem_len={m.mem_len} must be a multiple of model.tgt_len={m.tgt_len} "
+                f"for model={m.name} (docs/method.md §3, renewal)"
+            )
+        check_choice("query.strategy", spec.query.strategy, STRATEGIES)
+        check_choice("summary.name", spec.summary.name, SUMMARIES)
+        summary_cls = SUMMARIES[spec.summary.name]
+        cache = resolve_cache(spec.cache, summary_cls)
+        query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
+        summary = summary_cls.resolve(spec.summary, m)
+        return replace(spec, cache=_resolve_layers(cache, m), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
-        """A fresh state (empty memory and cache) for ``batch_size`` streams."""
-        cache = None
-        if self.n_slot > 0 and self.top_k > 0:
-            c = self.cache_cfg
-            cache = SegmentCache(
-                self.n_slot,
-                batch_size,
-                self.summary,
-                key_layer=self.key_layer - self.retrieve_from,
-                renew=c.renew,
-                dtype=c.dtype,
-                backend=c.backend,
-                faiss_opts={
-                    "index": c.faiss_index,
-                    "hnsw_m": c.hnsw_m,
-                    "hnsw_ef_search": c.hnsw_ef_search,
-                    "hnsw_ef_construction": c.hnsw_ef_construction,
-                },
-            )
+        """A fresh state (empty memory and cache) for ``batch_size`` streams; no cache when
+        ``cache.n_slot`` or ``cache.top_k`` is 0 (the model is then Transformer-XL)."""
+        c = self.spec.cache
+        if not c.enabled:
+            return CRTNState()
+        cache = SegmentCache(
+            c.n_slot,
+            batch_size,
+            self.summary,
+            key_layer=self.key_layer - self.retrieve_from,
+            renew=c.renew,
+            dtype=c.dtype,
+            backend=c.backend,
+            faiss_opts={
+                "index": c.faiss_index,
+                "hnsw_m": c.hnsw_m,
+                "hnsw_ef_search": c.hnsw_ef_search,
+                "hnsw_ef_construction": c.hnsw_ef_construction,
+            },
+        )
         return CRTNState(cache=cache)
 
     def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> CRTNState:
@@ -207,7 +205,7 @@ class CRTN(TransformerLM):
                 update=update,
                 shared=None if lower is None else lower[-1],
             )
-        keep_slots = keep and self.cache_cfg.eval_kv  # slots' projections too (cache.eval_kv)
+        keep_slots = keep and self.spec.cache.eval_kv  # slots' projections too (cache.eval_kv)
         ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
         if lower is None:
             hids, out = self.core(
@@ -250,13 +248,13 @@ class CRTN(TransformerLM):
             cache.values,
             selection.flat_index,
             selection.alpha,
-            weighted=self.cache_cfg.weighted,
+            weighted=self.weighted,
             age=selection.age,
             first_layer=self.retrieve_from,
             kv=cache.fresh_kv() if keep else None,
         )
         real_pos = None
-        if self.cache_cfg.pos == "real":
+        if self.real_pos:
             real_pos = RealPositions(
                 self.pos_emb, selection.age, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
             )
@@ -284,13 +282,13 @@ class CRTN(TransformerLM):
         cache = state.cache
         assert cache is not None
         nv, qs = cache.n_valid, self.query
-        grad = torch.is_grad_enabled() and nv > 0 and self.cache_cfg.weighted
+        grad = torch.is_grad_enabled() and nv > 0 and self.weighted
         r_cur, selection = None, None
         with torch.set_grad_enabled(grad):
             qmem = self._query_memory(state, seg)
             if shared is not None:
-                r_cur = shared.detach() if self.query_cfg.detach else shared
-            with torch.set_grad_enabled(grad and not self.query_cfg.detach):
+                r_cur = shared.detach() if self.detach else shared
+            with torch.set_grad_enabled(grad and not self.detach):
                 if qs.needs_query_pass and shared is None:
                     kv = mem_kv if qmem is state.mem else None
                     r_cur = self._core_top(tokens, qmem, None, mem_kv=kv)  # R_cur, [B, L, d]
@@ -299,12 +297,13 @@ class CRTN(TransformerLM):
                 q = None
                 if fast is None:  # build the queries; the fast path scores keys directly
                     q = qs(self.summary, self._query_inputs(tokens, state, seg=seg, qmem=qmem, r_cur=r_cur))
+                c = self.spec.cache
                 selection = cache.select(
                     q,
-                    top_k=self.top_k,
-                    alpha_norm=self.cache_cfg.alpha_norm,
+                    top_k=c.top_k,
+                    alpha_norm=c.alpha_norm,
                     t0=state.pos,
-                    theta=self.cache_cfg.theta,
+                    theta=c.theta,
                     count=update,
                     score_fn=fast,
                 )
@@ -325,11 +324,11 @@ class CRTN(TransformerLM):
         return QueryInputs(
             r_cur=r_cur,
             r_prev=r_prev,
-            core=self._core_top_detached if self.query_cfg.detach else self._core_top,
+            core=self._core_top_detached if self.detach else self._core_top,
             tokens=tokens,
             prev_tokens=prev_tokens,
             prev_states=None if qmem is None else qmem[:, :, -seg:],
-            memory_kv=self._memory_kv_detached if self.query_cfg.detach else self.memory_kv,
+            memory_kv=self._memory_kv_detached if self.detach else self.memory_kv,
         )
 
     def _renew(
@@ -403,3 +402,33 @@ class CRTN(TransformerLM):
     def _memory_kv_detached(self, mem: Tensor | None) -> list[Tensor] | None:
         """:meth:`memory_kv` without gradient (``query.detach``)."""
         return self.memory_kv(mem)
+
+
+def _resolve_layers(cache: CacheSpec, model: ModelSpec) -> CacheSpec:
+    """``cache.layers`` (None: all n) and ``cache.key_layer`` (None: the top, or with fewer layers
+    the input of the first retrieving one, the only valid choice then), checked and filled.
+
+    Raises:
+        ConfigError: layers outside 1..n; fewer layers without one segment of memory for the shared
+            lower layers; a key layer outside 0..n, or another than the first retrieving layer's input.
+    """
+    n = model.n_layer
+    layers = n if cache.layers is None else cache.layers
+    if not 1 <= layers <= n:
+        raise ConfigError(f"cache.layers={cache.layers} must be in 1..model.n_layer={n} (null: all)")
+    below = n - layers
+    if layers < n:
+        if model.mem_len < model.tgt_len:
+            raise ConfigError(
+                f"cache.layers={layers} needs model.mem_len >= model.tgt_len (the shared lower "
+                f"layers' memory); got mem_len={model.mem_len}"
+            )
+        if cache.key_layer not in (None, below):
+            raise ConfigError(
+                f"cache.key_layer={cache.key_layer}: with cache.layers={layers} keys and queries come "
+                f"from layer {below}, the input of the first retrieving layer (leave key_layer null)"
+            )
+    if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
+        raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
+    key_layer = cache.key_layer if cache.key_layer is not None else (below or n)
+    return replace(cache, layers=layers, key_layer=key_layer)

@@ -46,7 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from crtn.model.summary import TOKEN, WINDOW, Summary
+from crtn.errors import ConfigError, check_choice
+from crtn.model.spec import ModelSpec, QuerySpec
+from crtn.model.summary import SUMMARIES, TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
 CoreFn = Callable[..., Tensor]  # (tokens, mem, extra_mask[, mem_kv]) -> top layer
@@ -180,6 +182,34 @@ class QueryStrategy(nn.Module):
         super().__init__()
         self.seg_len, self.tanh = seg_len, tanh
 
+    @classmethod
+    def resolve(cls, spec: QuerySpec, summary: str) -> QuerySpec:
+        """Check the strategy's options (nothing to fill): the pairing with ``summary`` (by the
+        strategy's ``kind``, :func:`valid_summaries`) and ``query.tanh`` (strategies with weights).
+
+        Raises:
+            ConfigError: an invalid pairing (listing the valid ones), or tanh without weights.
+        """
+        if summary not in valid_summaries(cls.strategy):
+            by_kind: dict[str, list[str]] = {}
+            for q in STRATEGIES:
+                by_kind.setdefault("|".join(valid_summaries(q)), []).append(q)
+            pairs = "; ".join(f"{'|'.join(qs)} with {s}" for s, qs in by_kind.items())
+            raise ConfigError(
+                f"query={cls.strategy} cannot be paired with summary={summary}. Valid pairs: {pairs}"
+            )
+        if spec.tanh and not cls.learned:
+            learned = "|".join(q for q, c in STRATEGIES.items() if c.learned)
+            raise ConfigError(
+                f"query.tanh=true applies to the strategies with weights ({learned}), not query={cls.strategy}"
+            )
+        return spec
+
+    @classmethod
+    def from_spec(cls, spec: QuerySpec, model: ModelSpec, d_key: int) -> QueryStrategy:
+        """The strategy a resolved ``spec`` describes, producing queries of width ``d_key``."""
+        return cls(model.tgt_len, model.d_model, d_key=d_key, tanh=spec.tanh)
+
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long."""
         raise ValueError(f"query={self.strategy} has no windows")
@@ -236,7 +266,7 @@ class LastL(QueryStrategy):
         """``identity`` keys: W_j = Masked_j(R_cur), so <flat(W_j), flat(K_i)> =
         sum_{r<=j} <R_cur[r], K_i[r]>, a cumulative sum of per-row dot products:
         O(B L n d) instead of O(B L n L d), and no [B, L, L, d] windows."""
-        if summary.name != "identity" or r_cur is None:
+        if not summary.flat or r_cur is None:
             return None
         B, Lq, d = r_cur.shape
         scale = 1.0 / math.sqrt(summary.d_key)
@@ -302,33 +332,45 @@ class SingleLinear(QueryStrategy):
 
 
 def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
-    """R_cur [B, L, d], or [R_prev[-(w-1):]; R_cur] [B, w-1+L, d] for a ``summary.ngram`` w > 1."""
+    """R_cur [B, L, d], or [R_prev[-n:]; R_cur] [B, n+L, d] with the n = ``summary.query_lead_rows``
+    rows a summary reads before each query (token_max's n-gram match: n = ngram - 1)."""
     assert x.r_cur is not None
-    w = summary.ngram
-    if w == 1:
+    n = summary.query_lead_rows
+    if n == 0:
         return x.r_cur
     assert x.r_prev is not None
-    return torch.cat([x.r_prev[:, x.r_prev.shape[1] - (w - 1) :].to(x.r_cur.dtype), x.r_cur], 1)
+    return torch.cat([x.r_prev[:, x.r_prev.shape[1] - n :].to(x.r_cur.dtype), x.r_cur], 1)
 
 
-#: every query strategy by its config name, in SPEC §3 order
+#: every query strategy by its config name, in the order of docs/method.md §3
 STRATEGIES: dict[str, type[QueryStrategy]] = {
     cls.strategy: cls for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear)
 }
 
 
+def valid_summaries(strategy: str) -> tuple[str, ...]:
+    """Summaries that may be paired with query ``strategy``: those whose ``kinds`` hold the
+    strategy's kind (docs/method.md §3, "Summaries")."""
+    kind = STRATEGIES[strategy].kind
+    return tuple(name for name, cls in SUMMARIES.items() if kind in cls.kinds)
+
+
+def valid_pairs() -> list[tuple[str, str]]:
+    """Every valid (query strategy, summary) pair, strategies in the order of :data:`STRATEGIES`."""
+    return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
+
+
 def make_query(
     strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False
 ) -> QueryStrategy:
-    """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`).
+    """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`) from plain values.
 
     Args:
         seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output);
         tanh: tanh on the queries (``query.tanh``, strategies with ``learned``).
 
     Raises:
-        ValueError: unknown name.
+        ConfigError: unknown name.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"query={strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    check_choice("query.strategy", strategy, STRATEGIES)
     return STRATEGIES[strategy](seg_len, d_model, d_key=d_key, tanh=tanh)

@@ -37,9 +37,13 @@ A new summary is one class here (plus ``conf/summary/NAME.yaml``); see CONTRIBUT
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
+
+from crtn.errors import ConfigError, check_choice
+from crtn.model.spec import ModelSpec, SummarySpec
 
 WINDOW, TOKEN = "window", "token"
 
@@ -63,6 +67,7 @@ class Summary(nn.Module):
     key_is_view: bool = False
     row_keys: bool = False
     length_bound: bool = False
+    flat: bool = False  # key = flat(Y), query = flat(W): a score is a sum of per-row products
     ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
     shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
 
@@ -72,10 +77,36 @@ class Summary(nn.Module):
         super().__init__()
         self.seg_len, self.d_model, self.tanh, self.n_head = seg_len, d_model, tanh, n_head
 
+    @classmethod
+    def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
+        """``spec`` with this summary's derived defaults filled and its rules checked: only
+        ``token_max`` has ``ngram`` and ``shift`` (None here: they do not apply).
+
+        Raises:
+            ConfigError: ``summary.ngram`` other than 1 or ``summary.shift`` other than 0.
+        """
+        if spec.ngram not in (None, 1):
+            raise ConfigError(f"summary.ngram={spec.ngram} applies to summary=token_max only, not {cls.name}")
+        if spec.shift not in (None, 0):
+            raise ConfigError(f"summary.shift={spec.shift} applies to summary=token_max only, not {cls.name}")
+        if spec.d_key is not None and spec.d_key <= 0:
+            raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
+        return spec
+
+    @classmethod
+    def from_spec(cls, spec: SummarySpec, model: ModelSpec) -> Summary:
+        """The summary a resolved ``spec`` describes, for segments of ``model.tgt_len`` rows."""
+        return cls(model.tgt_len, model.d_model, d_key=spec.d_key, tanh=spec.tanh, n_head=model.n_head)
+
     @property
     def lead_rows(self) -> int:
         """Rows of the predecessor slot that the scores of a slot read: ngram - 1 + shift."""
         return self.ngram - 1 + self.shift
+
+    @property
+    def query_lead_rows(self) -> int:
+        """Rows of R_prev that go in front of a segment's queries: ngram - 1."""
+        return self.ngram - 1
 
     @property
     def d_key(self) -> int:
@@ -135,7 +166,7 @@ class Summary(nn.Module):
 class Identity(Summary):
     """flat(Y), d_key = L d (seed 003, 3.1)."""
 
-    name, kinds, key_is_view = "identity", (WINDOW,), True
+    name, kinds, key_is_view, flat = "identity", (WINDOW,), True, True
 
     @property
     def d_key(self) -> int:
@@ -154,11 +185,15 @@ class Linear(Summary):
 
     name, kinds, length_bound = "linear", (WINDOW,), True
 
-    def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
-    ):
+    def __init__(self, seg_len: int, d_model: int, d_key: int, tanh: bool = False, n_head: int = 1):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        self.proj = nn.Linear(seg_len * d_model, d_key or d_model)
+        self.proj = nn.Linear(seg_len * d_model, d_key)
+
+    @classmethod
+    def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
+        """As :meth:`Summary.resolve`, and ``summary.d_key`` None becomes ``d_model``."""
+        spec = super().resolve(spec, model)
+        return replace(spec, d_key=model.d_model if spec.d_key is None else spec.d_key)
 
     @property
     def d_key(self) -> int:
@@ -269,6 +304,22 @@ class Conv(Summary):
             n_head, n_head, kernel_size=width, stride=seg_len, padding=conv_padding(d_model, n_head)
         )
 
+    @classmethod
+    def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
+        """As :meth:`Summary.resolve`, and the shapes the convolution needs (class docstring).
+
+        Raises:
+            ConfigError: d_model not divisible by n_head, n_head > tgt_len, or an output length
+                other than d_model / n_head.
+        """
+        H, d, L = model.n_head, model.d_model, model.tgt_len
+        if d % H != 0 or H > L or conv_out_len(L, d, H) != d // H:
+            raise ConfigError(
+                f"summary=conv needs model.d_model ({d}) divisible by model.n_head ({H}), n_head <= tgt_len "
+                f"({L}) and a conv output of d_model/n_head = {d // H} per head (got {conv_out_len(L, d, H)})"
+            )
+        return super().resolve(spec, model)
+
     def key(self, top: Tensor) -> Tensor:
         self._check_len(top)
         *lead, L, d = top.shape
@@ -291,19 +342,11 @@ def conv_out_len(seg_len: int, d_model: int, n_head: int) -> int:
     return (seg_len * width + 2 * conv_padding(d_model, n_head) - width) // seg_len + 1
 
 
-#: token_max's n-gram length when ``summary.ngram`` is None (README, "Retrieval that scales")
+#: token_max's n-gram length when ``summary.ngram`` is None (at most tgt_len; docs/results.md,
+#: "Retrieval that scales")
 DEFAULT_NGRAM = 4
-#: token_max's row shift when ``summary.shift`` is None (README, "Retrieval that scales")
+#: token_max's row shift when ``summary.shift`` is None (docs/results.md, "Retrieval that scales")
 DEFAULT_SHIFT = 1
-
-
-def token_max_defaults(ngram: int | None, shift: int | None, seg_len: int) -> tuple[int, int]:
-    """token_max's (ngram, shift) with None replaced by the defaults: :data:`DEFAULT_NGRAM`
-    (at most ``seg_len``, tokens) and :data:`DEFAULT_SHIFT` (rows). No validation here."""
-    return (
-        min(DEFAULT_NGRAM, seg_len) if ngram is None else ngram,
-        DEFAULT_SHIFT if shift is None else shift,
-    )
 
 
 class TokenMax(Summary):
@@ -313,7 +356,7 @@ class TokenMax(Summary):
     no bias), one for queries and one for rows: score = max_r <P_q q, P_k row_r> / sqrt(d_key).
     Two maps let a query match rows by other features than its own (e.g. a row's record of
     the tokens before it). Rows are views of the cached states, so P_k is applied when
-    scoring and trains like P_q (a learned retrieval space; issue 11). Without ``d_key`` the
+    scoring and trains like P_q (a learned retrieval space). Without ``d_key`` the
     score is the plain dot product.
 
     With ``ngram`` w > 1 (``summary.ngram``) a token matches a row together with the w - 1
@@ -327,7 +370,7 @@ class TokenMax(Summary):
     them in front: queries [B, w-1+L, d] and rows [B, n, w-1+Ls, d]. On the passage-recall
     corpus a top-layer state mostly encodes its own token, so a single-state match confuses
     the copy source with every earlier use of the token, and more so the larger the cache;
-    w aligned tokens make a chance match rare (README, "Retrieval that scales").
+    w aligned tokens make a chance match rare (docs/results.md, "Retrieval that scales").
 
     With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
 
@@ -335,12 +378,16 @@ class TokenMax(Summary):
 
     so the slot that wins holds the row that *follows* the matched n-gram: the token to be
     copied next, which is what the attention must read. With s = 0 a match on a slot's last
-    row selects the slot before the one holding the next token (on the recall corpus, one
-    source position in L: retrieved 0.14 there against 0.97 elsewhere; README). The rows
-    before a slot then number w - 1 + s.
+    row selects the slot before the one holding the next token (docs/results.md, "Retrieval
+    that scales"). The rows before a slot then number w - 1 + s.
+
+    Args (beyond :class:`Summary`'s):
+        ngram: w, aligned tokens per score (``summary.ngram``, resolved); shift: s, 0 or 1.
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
+    #: what a checkpoint saved before ``summary.ngram``/``summary.shift`` existed was trained with
+    LEGACY = {"ngram": 1, "shift": 0}
 
     def __init__(
         self,
@@ -349,18 +396,44 @@ class TokenMax(Summary):
         d_key: int | None = None,
         tanh: bool = False,
         n_head: int = 1,
-        ngram: int | None = None,
-        shift: int | None = None,
+        *,
+        ngram: int,
+        shift: int,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        ngram, shift = token_max_defaults(ngram, shift, seg_len)
-        if not 1 <= ngram <= seg_len:
-            raise ValueError(f"summary.ngram={ngram} must be in 1..{seg_len} (tgt_len)")
-        if shift not in (0, 1):
-            raise ValueError(f"summary.shift={shift} must be 0 or 1")
         self.ngram, self.shift = ngram, shift
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
+
+    @classmethod
+    def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
+        """``summary.ngram`` None becomes :data:`DEFAULT_NGRAM` (at most ``tgt_len``) and
+        ``summary.shift`` None :data:`DEFAULT_SHIFT`; ``summary.d_key`` None stays (no learned map).
+
+        Raises:
+            ConfigError: ngram outside 1..tgt_len, shift other than 0 or 1, d_key <= 0.
+        """
+        ngram = min(DEFAULT_NGRAM, model.tgt_len) if spec.ngram is None else spec.ngram
+        shift = DEFAULT_SHIFT if spec.shift is None else spec.shift
+        if not 1 <= ngram <= model.tgt_len:
+            raise ConfigError(f"summary.ngram={ngram} must be in 1..model.tgt_len ({model.tgt_len})")
+        if shift not in (0, 1):
+            raise ConfigError(f"summary.shift={shift} must be 0 or 1")
+        if spec.d_key is not None and spec.d_key <= 0:
+            raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
+        return replace(spec, ngram=ngram, shift=shift)
+
+    @classmethod
+    def from_spec(cls, spec: SummarySpec, model: ModelSpec) -> Summary:
+        return cls(
+            model.tgt_len,
+            model.d_model,
+            d_key=spec.d_key,
+            tanh=spec.tanh,
+            n_head=model.n_head,
+            ngram=spec.ngram,
+            shift=spec.shift,
+        )
 
     @property
     def d_key(self) -> int:
@@ -403,36 +476,19 @@ class TokenMax(Summary):
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
 
 
-#: every summary by its config name, in SPEC §3 order
+#: every summary by its config name, in the order of docs/method.md §3
 SUMMARIES: dict[str, type[Summary]] = {
     cls.name: cls for cls in (Identity, Linear, LastState, Mean, Max, Sum, WeightedSum, Conv, TokenMax)
 }
 
 
-def make_summary(
-    name: str,
-    seg_len: int,
-    d_model: int,
-    d_key: int | None = None,
-    tanh: bool = False,
-    n_head: int = 1,
-    ngram: int | None = None,
-    shift: int | None = None,
-) -> Summary:
-    """Build the summary registered as ``name`` (see :data:`SUMMARIES`); ``n_head``: conv's channels;
-    ``ngram``: token_max's aligned tokens per score (None: :data:`DEFAULT_NGRAM`, at most seg_len);
-    ``shift``: token_max's row shift (None: :data:`DEFAULT_SHIFT`).
+def make_summary(name: str, seg_len: int, d_model: int, **options: object) -> Summary:
+    """The summary registered as ``name`` (:data:`SUMMARIES`) built from plain values: ``options``
+    are its constructor's keywords (``d_key``, ``tanh``, ``n_head``; token_max: ``ngram``,
+    ``shift``). Models build theirs from a resolved spec (:meth:`Summary.from_spec`).
 
     Raises:
-        ValueError: unknown name, or ``ngram`` other than 1 or ``shift`` other than 0 for a
-            summary other than token_max.
+        ConfigError: unknown name.
     """
-    if name not in SUMMARIES:
-        raise ValueError(f"summary={name!r} is not one of: {', '.join(SUMMARIES)}")
-    if name == TokenMax.name:
-        return TokenMax(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head, ngram=ngram, shift=shift)
-    if ngram not in (None, 1):
-        raise ValueError(f"summary.ngram={ngram} applies to summary=token_max only, not {name}")
-    if shift not in (None, 0):
-        raise ValueError(f"summary.shift={shift} applies to summary=token_max only, not {name}")
-    return SUMMARIES[name](seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+    check_choice("summary.name", name, SUMMARIES)
+    return SUMMARIES[name](seg_len, d_model, **options)

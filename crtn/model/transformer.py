@@ -18,12 +18,13 @@ i the output of layer i, as in the Transformer-XL release's ``hids``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from crtn.errors import ConfigError
 from crtn.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, tie_adaptive_weights
 from crtn.model.attention import (
     CacheContext,
@@ -34,6 +35,7 @@ from crtn.model.attention import (
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
 from crtn.model.evalkv import keep_last
+from crtn.model.spec import MEM_LEN_DEFAULT, Spec
 
 
 @dataclass
@@ -100,7 +102,8 @@ class TransformerLM(nn.Module):
 
     Args:
         n_token: vocabulary size.
-        model: a :class:`crtn.config.ModelConfig`-like node.
+        spec: a resolved :class:`crtn.model.spec.Spec` (:func:`crtn.model.resolve_spec`); the model
+            reads ``spec.model``, models with a cache the other groups too.
     """
 
     has_memory = True
@@ -108,17 +111,16 @@ class TransformerLM(nn.Module):
     #: keep projected keys and values of memory (and cache) rows at evaluation (evalkv.py);
     #: exact, so on by default; False re-projects them every step (the training path)
     eval_kv = True
-    n_slot = top_k = 0  # cache size and retrieved segments per token (models with a cache)
 
-    def __init__(self, n_token: int, model: Any):
+    def __init__(self, n_token: int, spec: Spec):
         super().__init__()
+        model = spec.model
+        self.spec = spec
         self.name = model.name
         self.n_token, self.n_layer = n_token, model.n_layer
         self.d_model, self.n_head, self.d_head = model.d_model, model.n_head, model.d_head
-        d_embed = model.d_embed or model.d_model
-        self.d_embed = d_embed
-        self.tgt_len = model.tgt_len
-        self.mem_len = model.mem_len if self.has_memory else 0
+        self.d_embed = d_embed = model.d_embed
+        self.tgt_len, self.mem_len = model.tgt_len, model.mem_len
         self.clamp_len, self.same_length = model.clamp_len, model.same_length
         self.init_std, self.proj_init_std = model.init_std, model.proj_init_std
 
@@ -129,9 +131,7 @@ class TransformerLM(nn.Module):
         # dropout on the top-layer output; on the word and position embeddings (dropinp); word
         # dropout (dropemb); locked: one mask per sequence (the CRTN authors' recipe)
         self.drop = make_dropout(model.dropout, model.locked_dropout)
-        self.drop_inp = make_dropout(
-            model.dropout if model.dropinp is None else model.dropinp, model.locked_dropout
-        )
+        self.drop_inp = make_dropout(model.dropinp, model.locked_dropout)
         self.dropemb = model.dropemb
         self.pos_emb = PositionalEmbedding(model.d_model)
         self.untie_r = model.untie_r
@@ -159,10 +159,7 @@ class TransformerLM(nn.Module):
         self.crit = ProjectedAdaptiveLogSoftmax(
             n_token, d_embed, model.d_model, cutoffs=cutoffs, div_val=model.div_val
         )
-        tie_projs = model.tie_projs
-        if tie_projs is None:
-            tie_projs = [False] + [True] * len(cutoffs)
-        self.tie_projs = list(tie_projs)
+        self.tie_projs = list(model.tie_projs)
         self.tie_weight = model.tie_weight
         self.div_val = model.div_val
         self.reset_parameters()
@@ -175,6 +172,50 @@ class TransformerLM(nn.Module):
             d_embed=d_embed,
             div_val=model.div_val,
         )
+
+    # ----------------------------------------------------------------- options
+    @classmethod
+    def resolve(cls, spec: Spec) -> Spec:
+        """``spec`` with the Transformer's derived defaults filled and its rules checked
+        (docs/method.md §1-2): ``d_embed`` (d_model), ``mem_len`` (``tgt_len``; 0 for a model
+        without memory), ``dropinp``/``dropfor``/``dropatt_out`` (``dropout``), ``tie_projs``
+        (``[False] + [True] * len(cutoffs)``). Subclasses with a cache resolve its groups too.
+
+        Raises:
+            ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs.
+        """
+        m = spec.model
+        for key in ("n_layer", "n_head", "d_model", "d_head", "d_inner", "tgt_len"):
+            if getattr(m, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(m, key)} must be > 0")
+        mem_len = m.tgt_len if m.mem_len == MEM_LEN_DEFAULT else m.mem_len
+        if mem_len < 0:
+            raise ConfigError(f"model.mem_len={mem_len} must be >= 0")
+        if m.d_embed is not None and m.d_embed <= 0:
+            raise ConfigError(f"model.d_embed={m.d_embed} must be > 0")
+        for key in ("dropout", "dropatt", "dropemb", "dropinp", "dropfor", "dropatt_out"):
+            value = getattr(m, key)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ConfigError(f"model.{key}={value} must be in [0, 1)")
+        if m.div_val < 1:
+            raise ConfigError(f"model.div_val={m.div_val} must be >= 1")
+        if list(m.cutoffs) != sorted(set(m.cutoffs)) or any(c <= 0 for c in m.cutoffs):
+            raise ConfigError(f"model.cutoffs={list(m.cutoffs)} must be increasing positive integers")
+        if m.tie_projs is not None and len(m.tie_projs) != len(m.cutoffs) + 1:
+            raise ConfigError(
+                f"model.tie_projs has {len(m.tie_projs)} entries; expected len(model.cutoffs)+1 "
+                f"= {len(m.cutoffs) + 1}"
+            )
+        filled = replace(
+            m,
+            d_embed=m.d_model if m.d_embed is None else m.d_embed,
+            mem_len=mem_len if cls.has_memory else 0,
+            dropinp=m.dropout if m.dropinp is None else m.dropinp,
+            dropfor=m.dropout if m.dropfor is None else m.dropfor,
+            dropatt_out=m.dropout if m.dropatt_out is None else m.dropatt_out,
+            tie_projs=[False] + [True] * len(m.cutoffs) if m.tie_projs is None else m.tie_projs,
+        )
+        return replace(spec, model=filled)
 
     # ----------------------------------------------------------------- set-up
     def reset_parameters(self) -> None:
@@ -199,29 +240,6 @@ class TransformerLM(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def reset_length(
-        self,
-        tgt_len: int | None = None,
-        mem_len: int | None = None,
-        clamp_len: int | None = None,
-        same_length: bool | None = None,
-        n_slot: int | None = None,
-        top_k: int | None = None,
-    ) -> None:
-        """Change lengths for evaluation (SPEC §5); states made before become invalid.
-
-        ``mem_len`` is ignored by models without memory, ``n_slot`` and ``top_k`` by models
-        without a cache (so one call serves every model).
-        """
-        if tgt_len is not None:
-            self.tgt_len = tgt_len
-        if mem_len is not None and self.has_memory:
-            self.mem_len = mem_len
-        if clamp_len is not None:
-            self.clamp_len = clamp_len
-        if same_length is not None:
-            self.same_length = same_length
-
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> State:
         """A fresh state (empty memory) for ``batch_size`` streams."""
         return State()
@@ -233,6 +251,18 @@ class TransformerLM(nn.Module):
         kept = sd.get("mem_kv")
         state.mem_kv = None if kept is None else [t.to(device) for t in kept]
         return state
+
+    def compile_layers(self, **options: Any) -> TransformerLM:
+        """``torch.compile`` every decoder layer in place (``train.compile``); returns the model.
+
+        Layers, not the whole model: the step has Python control flow around the cache
+        (retrieval, renewal) that would break the graph, while a layer is one graph per input
+        shape (recompiled while the memory fills). ``options`` go to ``torch.compile`` (e.g.
+        ``backend``).
+        """
+        for layer in self.layers:
+            layer.compile(**options)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,169 @@
+"""What a model is built from: four frozen specs, one per config group (docs/method.md §1-3).
+
+Each spec is a frozen dataclass; its fields are the options of one config group (``model``,
+``cache``, ``query``, ``summary``) and their defaults, written here once. They are the Hydra
+schema of those groups (``crtn/config.py`` registers them), and a *resolved* spec (every
+derived default filled in, every rule checked by the class that owns it:
+:func:`crtn.model.resolve_spec`) is what the model, the cache, the query strategies and the
+summaries are built from and what a checkpoint stores. Nothing in ``crtn/model`` holds a
+config node.
+
+``None`` marks a default derived from other options (e.g. ``model.d_embed``: ``d_model``);
+resolution replaces it. Where ``None`` is an option of its own (``summary.d_key`` of
+``token_max``: no learned map; ``cache.dtype``: the states' dtype) the field says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+#: the default of ``model.mem_len``: an interpolation the config resolves to ``model.tgt_len``
+#: (a spec built in Python without a config gets ``tgt_len`` when it is resolved)
+MEM_LEN_DEFAULT = "${model.tgt_len}"
+_TUPLES = ("cutoffs", "tie_projs")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Transformer hyper-parameters shared by ``vanilla``, ``txl`` and ``crtn`` (docs/method.md §1-2)."""
+
+    name: str = "crtn"  # vanilla | txl | crtn (crtn.model.MODELS)
+    n_layer: int = 3
+    n_head: int = 4
+    d_model: int = 128
+    d_head: int = 32
+    d_inner: int = 256
+    d_embed: int | None = None  # None: d_model
+    dropout: float = 0.0
+    dropatt: float = 0.0
+    # regularisation of the CRTN authors' recipe (off by default; see crtn/model/dropout.py)
+    dropemb: float = 0.0  # word dropout: whole word types (embedding rows) dropped per forward call
+    dropinp: float | None = None  # dropout on word and position embeddings; None: dropout
+    dropfor: float | None = None  # dropout inside the feed-forward; None: dropout
+    dropatt_out: float | None = None  # dropout on the attention output; None: dropout
+    locked_dropout: bool = False  # variational dropout (one mask per sequence) except dropatt/dropemb
+    tgt_len: int = 32  # L: tokens predicted per step
+    mem_len: int = MEM_LEN_DEFAULT  # type: ignore[assignment]  # m: short-term memory, positions per layer; one segment by default
+    clamp_len: int = -1  # relative distances above this use clamp_len's embedding; -1: none
+    same_length: bool = False
+    pre_lnorm: bool = False
+    untie_r: bool = False  # a pair of biases u, v per layer instead of one shared pair
+    cutoffs: list[int] = field(default_factory=list)  # adaptive input/softmax cluster bounds
+    div_val: int = 1
+    tie_weight: bool = True
+    tie_projs: list[bool] | None = None  # None: [False] + [True] * len(cutoffs)
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    layer_norm_eps: float = 1e-5
+    # attention without retrieved rows through F.scaled_dot_product_attention, the relative-position
+    # term passed as its additive mask (same results; fused kernels where the backend has them)
+    sdpa: bool = False
+
+    def __post_init__(self) -> None:
+        _freeze_lists(self)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The key-value cache of past segments and its retrieval (docs/method.md §3)."""
+
+    n_slot: int = 8  # N: past segments held per batch row
+    top_k: int = 2  # k: segments retrieved per query token
+    alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
+    theta: float = 1.0  # temperature multiplying the retrieval scores before the softmax
+    weighted: bool = True  # values scaled by alpha (keys never are)
+    pos: str = "concat"  # concat | real: relative positions of retrieved segments
+    backend: str = "torch"  # torch | faiss (faiss: alpha_norm=topk only)
+    faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
+    hnsw_m: int = 32
+    hnsw_ef_search: int = 128
+    hnsw_ef_construction: int = 64
+    renew: str = "fifo"  # fifo | least_used | discard_worst
+    layers: int | None = None  # retrieval in the top `layers` layers only; None: all (the paper)
+    # hidden layer of keys and queries (0 embeddings .. n top); None: the top, or the input of the
+    # first retrieving layer with `layers`
+    key_layer: int | None = None
+    dtype: str | None = (
+        None  # storage of cached values: None (the states' own) | float32 | float16 | bfloat16
+    )
+    # evaluation: keep each slot's projected keys and values too (exact, 2.6x the cache's memory;
+    # docs/results.md, "Evaluation with kept keys and values"); the memory's are always kept
+    eval_kv: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a cache is kept at all (``n_slot > 0`` and ``top_k > 0``; else the model is
+        exactly Transformer-XL)."""
+        return self.n_slot > 0 and self.top_k > 0
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """How each token's query is built (docs/method.md §3, "Query strategies")."""
+
+    strategy: str = "token"  # crtn.model.STRATEGIES
+    detach: bool = False  # stop gradients from the retrieval weights into the query pass
+    tanh: bool = False  # tanh on the queries (strategies with their own weights: linear, single_linear)
+
+
+@dataclass(frozen=True)
+class SummarySpec:
+    """Summary of an L x d block into a key or query (docs/method.md §3, "Summaries")."""
+
+    name: str = "token_max"  # the default of query=token; each conf/query option selects its own
+    # linear: output width (None: d_model); token_max: a learned map of queries and rows to d_key
+    # (None: no map); ignored by the summaries without weights
+    d_key: int | None = None
+    tanh: bool = False  # linear only
+    # token_max: a token and the ngram-1 before it matched against aligned rows (an n-gram match;
+    # 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (at most tgt_len)
+    ngram: int | None = None
+    # token_max: 1 keys each row by the ngram rows before it, so the slot that wins holds the token
+    # that follows the match (the one to copy); 0: by the row itself and the ngram-1 before it;
+    # None: crtn.model.summary.DEFAULT_SHIFT
+    shift: int | None = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a model is built from: the four groups (a resolved run spec has these fields too)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    query: QuerySpec = field(default_factory=QuerySpec)
+    summary: SummarySpec = field(default_factory=SummarySpec)
+
+
+def spec_of(cls: type, node: Any) -> Any:
+    """An instance of the spec dataclass ``cls`` with the values of ``node``: any object with those
+    attributes (a spec, a config node, a namespace); lists become tuples."""
+    if isinstance(node, cls):
+        return node
+    return cls(**{f.name: _plain(getattr(node, f.name)) for f in fields(cls)})
+
+
+def model_specs(source: Any) -> Spec:
+    """The four model specs of ``source`` (an object with ``model``, ``cache``, ``query`` and
+    ``summary`` attributes: a run spec, a :class:`Spec`, a composed config)."""
+    return Spec(
+        model=spec_of(ModelSpec, source.model),
+        cache=spec_of(CacheSpec, source.cache),
+        query=spec_of(QuerySpec, source.query),
+        summary=spec_of(SummarySpec, source.summary),
+    )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _freeze_lists(spec: Any) -> None:
+    """Store list fields as tuples, so a frozen spec cannot change through them."""
+    for name in _TUPLES:
+        value = getattr(spec, name, None)
+        if isinstance(value, list):
+            object.__setattr__(spec, name, tuple(value))
