@@ -140,9 +140,18 @@ def test_no_gradient_reaches_cached_states_and_detach_stops_only_the_query_pass(
     assert (live[w] - detached[w]).abs().max() > 1e-8
 
 
-def test_torch_and_faiss_select_the_same_slots_and_weights():
+@pytest.mark.parametrize("theta", [1.0, 0.3, 4.0])
+def test_torch_and_faiss_select_the_same_slots_and_weights(theta):
+    """The same slots, and the same weights softmax(theta s_topk) whatever the temperature theta
+    (cache.theta: faiss ranks by the unscaled product, the weights take theta)."""
     torch.manual_seed(3)
-    kw = {"model.name": "crtn", "cache.n_slot": 4, "cache.top_k": 2, "cache.alpha_norm": "topk"}
+    kw = {
+        "model.name": "crtn",
+        "cache.n_slot": 4,
+        "cache.top_k": 2,
+        "cache.alpha_norm": "topk",
+        "cache.theta": theta,
+    }
     a = tiny_model(V, double=False, **kw)
     b = tiny_model(V, double=False, **{**kw, "cache.backend": "faiss"})
     b.load_state_dict(a.state_dict())

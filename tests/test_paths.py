@@ -1,0 +1,322 @@
+"""Paths and wiring that the tiny reference tests do not reach, each against an independent reference.
+
+- evaluation keys and values (crtn/model/evalkv.py) when a step's retrieved rows are gathered in
+  several chunks: against a plain gather (the functions) and against the re-projecting path (the
+  model, float64);
+- ``model.sdpa`` with ``model.dropatt > 0``: no dropout at evaluation (against the eager model),
+  attention dropout in training (against the eager model drawing the same mask);
+- ``train.tar`` with gradient accumulation (``train.batch_chunk``): the gradients of one big batch;
+- locked dropout of the embeddings (``model.locked_dropout``, ``model.dropinp``): the masks drawn,
+  against masks drawn by hand in the same RNG order;
+- ``cache.renew=discard_worst`` continued from a saved state: an uninterrupted run and the naive
+  reference (tests/reference.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from crtn.model import evalkv
+from tests import reference
+from tests.helpers import tiny_model
+from tests.reference import NaiveCRTN
+from tests.test_recipe_training import batches, make_trainer
+
+V = 11
+ATOL = 1e-9  # float64 values against the naive reference, as tests/test_crtn_reference.py
+KV_ATOL = 1e-10  # kept projections against re-projection, as tests/test_evalkv.py
+
+
+# ------------------------------------------------------------------ evaluation K/V in chunks
+def _spy_chunks(monkeypatch) -> list[tuple[int, int, int]]:
+    """Record (T, start, end) of every chunk that evalkv._chunks yields."""
+    seen: list[tuple[int, int, int]] = []
+    real = evalkv._chunks
+
+    def spy(part, index):
+        for s, e, rows in real(part, index):
+            seen.append((index.shape[0], s, e))
+            yield s, e, rows
+
+    monkeypatch.setattr(evalkv, "_chunks", spy)
+    return seen
+
+
+def test_kv_scores_and_mix_over_several_chunks_equal_a_plain_gather(monkeypatch):
+    """kv_scores / kv_mix against one explicit gather of every token's retrieved rows, with T
+    large enough for the ~4 MB budget to split the tokens into uneven chunks."""
+    seen = _spy_chunks(monkeypatch)
+    T, BN, H, Ls, dh, k = 400, 5, 2, 8, 128, 3  # 6,144 values per token: chunks of 170, 170, 60 tokens
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, BN, H, Ls, dh, generator=g, dtype=torch.float64)
+    index = torch.randint(0, BN, (T, k), generator=g)
+    q = torch.randn(T, H, dh, generator=g, dtype=torch.float64)
+    prob = torch.rand(T, H, k * Ls, generator=g, dtype=torch.float64)
+    keys = kv[0][index]  # [T, k, H, Ls, dh], the plain gather
+    vals = kv[1][index]
+    want_scores = torch.einsum("thd,tkhrd->thkr", q, keys).reshape(T, H, k * Ls)
+    want_mix = torch.einsum("thkr,tkhrd->thd", prob.view(T, H, k, Ls), vals)
+    torch.testing.assert_close(evalkv.kv_scores(q, kv, index), want_scores, rtol=0, atol=1e-12)
+    torch.testing.assert_close(evalkv.kv_mix(prob, kv, index), want_mix, rtol=0, atol=1e-12)
+    sizes = [e - s for _, s, e in seen]
+    assert len(set(seen)) > 2 and min(sizes) < max(sizes)  # several chunks, a shorter last one
+
+
+@pytest.mark.parametrize("pre_lnorm", [False, True], ids=["post_ln", "pre_ln"])
+def test_kept_slot_projections_in_several_chunks_equal_reprojection(monkeypatch, pre_lnorm):
+    """cache.eval_kv=true with B L = 96 tokens retrieving k Ls H d_h = 3 x 4 x 2 x 1024 values each:
+    chunks of 42, 42 and 12 tokens per layer and step; per-token NLL equals the re-projecting path
+    to 1e-10."""
+    seen = _spy_chunks(monkeypatch)
+    over = {
+        "model.name": "crtn",
+        "cache.eval_kv": True,
+        "model.tgt_len": 4,
+        "model.mem_len": 4,
+        "model.d_head": 1024,
+        "cache.n_slot": 4,
+        "cache.top_k": 3,
+        "model.pre_lnorm": pre_lnorm,
+    }
+    kept = tiny_model(V, **over)
+    plain = copy.deepcopy(kept)
+    plain.eval_kv = False
+    B, L, steps = 24, 4, 8
+    tokens = torch.randint(0, V, (B, steps * L + 1))
+    states = [None, None]
+    with torch.no_grad():
+        for t in range(steps):
+            x, y = tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
+            outs = [m(x, y, s) for m, s in zip((kept, plain), states)]
+            states = [o.state for o in outs]
+            torch.testing.assert_close(outs[0].nll, outs[1].nll, rtol=0, atol=KV_ATOL)
+    assert states[0].cache.n_insert > kept.n_slot and states[0].cache.fresh_kv() is not None
+    assert states[1].cache.kv is None  # the reference path re-projected
+    chunks = {(s, e) for T, s, e in seen if T == B * L}
+    assert len(chunks) >= 3 and min(e - s for s, e in chunks) < max(e - s for s, e in chunks)
+
+
+# ------------------------------------------------------------------ model.sdpa with dropatt
+def _sdpa_pair(name: str, dropatt: float):
+    eager = tiny_model(V, **{"model.name": name, "model.dropatt": dropatt})
+    fast = copy.deepcopy(eager)
+    for layer in fast.layers:
+        layer.dec_attn.sdpa = True
+    return fast, eager
+
+
+def _segments(tokens: torch.Tensor, L: int):
+    for t in range((tokens.shape[1] - 1) // L):
+        yield tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
+
+
+@pytest.mark.parametrize("name", ["txl", "crtn"])
+def test_sdpa_applies_no_attention_dropout_at_evaluation(name):
+    """Eval mode with model.dropatt=0.5: the sdpa model gives the eager model's NLL (1e-10), which
+    applies no dropout in eval mode, at every step (crtn: its cache in use)."""
+    fast, eager = _sdpa_pair(name, 0.5)
+    tokens = torch.randint(0, V, (2, 6 * fast.tgt_len + 1))
+    s1 = s2 = None
+    with torch.no_grad():
+        for x, y in _segments(tokens, fast.tgt_len):
+            o1, o2 = fast(x, y, s1), eager(x, y, s2)
+            s1, s2 = o1.state, o2.state
+            torch.testing.assert_close(o1.nll, o2.nll, rtol=0, atol=1e-10)
+    assert name == "txl" or s1.cache.n_insert > 0
+
+
+@pytest.mark.parametrize("name", ["txl", "crtn"])
+def test_sdpa_applies_attention_dropout_in_training(name):
+    """Training with model.dropatt=0.5: seeded alike, the sdpa model draws the eager model's mask
+    (PyTorch's CPU math kernel of F.scaled_dot_product_attention, which float64 uses, drops the
+    probabilities with the same dropout call on the same [B, H, L, K] shape), so NLL and parameter
+    gradients agree step by step; the outputs differ from evaluation's, and with dropatt=0 they
+    are evaluation's."""
+    fast, eager = _sdpa_pair(name, 0.5)
+    fast.train()
+    eager.train()
+    tokens = torch.randint(0, V, (2, 6 * fast.tgt_len + 1))
+    s1 = s2 = None
+    for i, (x, y) in enumerate(_segments(tokens, fast.tgt_len)):
+        torch.manual_seed(100 + i)
+        o1 = fast(x, y, s1)
+        torch.manual_seed(100 + i)
+        o2 = eager(x, y, s2)
+        s1, s2 = o1.state, o2.state
+        torch.testing.assert_close(o1.nll, o2.nll, rtol=0, atol=1e-10)
+        o1.nll.sum().backward()
+        o2.nll.sum().backward()
+        for (pname, p1), p2 in zip(fast.named_parameters(), eager.parameters()):
+            if p2.grad is not None:
+                torch.testing.assert_close(p1.grad, p2.grad, rtol=0, atol=1e-8, msg=pname)
+    # the same first segment: training differs from evaluation, unless dropatt=0
+    x, y = next(_segments(tokens, fast.tgt_len))
+    with torch.no_grad():
+        nll_train = fast(x, y).nll
+        nll_eval = fast.eval()(x, y).nll
+        assert (nll_train - nll_eval).abs().max() > 1e-3
+        plain, _ = _sdpa_pair(name, 0.0)
+        plain.load_state_dict(fast.state_dict())
+        torch.testing.assert_close(plain.train()(x, y).nll, nll_eval, rtol=0, atol=1e-10)
+
+
+# ------------------------------------------------------------------ train.tar with batch_chunk
+def _tar_run(tmp_path, chunks: int, beta: float, n_steps: int):
+    """Train n_steps in float64 with train.batch_chunk=chunks; per step the trainer's gradients and
+    those of a hand-written full-batch loss nll.mean() + beta mean((h_{t+1} - h_t)^2) computed with
+    the same weights and a stream state carried by hand."""
+    t = make_trainer(
+        tmp_path / f"chunks{chunks}", **{"train.tar": beta, "optim.clip": 0.0, "train.batch_chunk": chunks}
+    )
+    t.model.double()  # in place: the optimizer keeps the same parameters
+    t.start()
+    ref, ref_state = copy.deepcopy(t.model), None
+    grads, hand = [], []
+    for batch in batches(t, n_steps):
+        ref.load_state_dict(t.model.state_dict())
+        ref.zero_grad()
+        out = ref(batch.input, batch.target, ref_state)
+        ref_state = out.state
+        h = out.hidden
+        (out.nll.mean() + beta * ((h[:, 1:] - h[:, :-1]) ** 2).mean()).backward()
+        hand.append([p.grad.clone() for p in ref.parameters()])
+        t.train_step(batch)
+        grads.append([p.grad.clone() for p in t.model.parameters()])
+    assert out.selection is not None  # the cache took part in the last steps
+    return t, grads, hand
+
+
+def test_tar_with_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """train.tar=2 with train.batch_chunk=2 against batch_chunk=1: the TAR mean over each chunk,
+    divided by the chunks, is the big batch's mean (equal chunks), so the gradients of every step
+    and the weights after them agree to 1e-10 (float64 model). Both match the hand-written full-batch
+    loss to 1e-6 (the trainer takes the loss in float32)."""
+    beta, n_steps = 2.0, 4
+    big, g_big, hand = _tar_run(tmp_path, 1, beta, n_steps)
+    chunked, g_chunked, _ = _tar_run(tmp_path, 2, beta, n_steps)
+    names = [n for n, _ in big.model.named_parameters()]
+    for step in range(n_steps):
+        for name, a, b, r in zip(names, g_chunked[step], g_big[step], hand[step]):
+            where = f"step {step} {name}"
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(b, r, rtol=0, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+    for (name, a), b in zip(chunked.model.named_parameters(), big.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+# ------------------------------------------------------------------ locked dropout of the embeddings
+class _MaskedWords:
+    """``model`` for tests/reference.py naive_segment, its word embeddings multiplied by ``mask`` [1, d]."""
+
+    def __init__(self, model, mask: torch.Tensor):
+        self._model, self._mask = model, mask
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def word_emb(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._model.word_emb(tokens) * self._mask
+
+
+def test_locked_dropinp_masks_of_position_table_and_words(monkeypatch):
+    """model.locked_dropout with model.dropinp=0.5 (the CRTN authors' recipe, xyz961014/longterm,
+    their ``dropinp``: variational dropout on the position embeddings, then on the word embeddings).
+
+    Hand-written expectation, masks drawn in that order from the same seed: the position table
+    [K, d] gets one mask [1, d], the same for every distance (and, the table having no batch axis,
+    for every stream); the word embeddings [B, L, d] one mask [B, 1, d], the same at every position
+    of a stream and drawn per stream. The naive per-token Transformer-XL (tests/reference.py), fed
+    the masked word embeddings and sinusoids, gives the training model's NLL at every step (memory
+    holding the masked states of the step before)."""
+    p, B, steps = 0.5, 2, 3
+    model = tiny_model(V, **{"model.name": "txl", "model.locked_dropout": True, "model.dropinp": p}).train()
+    L, d = model.tgt_len, model.d_model
+    tokens = torch.randint(0, V, (B, steps * L + 1))
+    sinusoid = reference.sinusoid
+    state, mems = None, [None] * B
+    for t, (x, y) in enumerate(_segments(tokens, L)):
+        torch.manual_seed(1000 + t)
+        pos_mask = torch.empty(1, d, dtype=torch.float64).bernoulli_(1 - p) / (1 - p)
+        word_mask = torch.empty(B, 1, d, dtype=torch.float64).bernoulli_(1 - p) / (1 - p)
+        assert 0 < int((pos_mask == 0).sum()) < d and not torch.equal(word_mask[0], word_mask[1])
+        torch.manual_seed(1000 + t)
+        with torch.no_grad():
+            out = model(x, y, state)
+        state = out.state
+        monkeypatch.setattr(reference, "sinusoid", lambda dist, dd, m=pos_mask: sinusoid(dist, dd) * m)
+        for b in range(B):
+            with torch.no_grad():
+                hs = reference.naive_segment(_MaskedWords(model, word_mask[b]), x[b], mems[b], t * L)
+                nll = -model.crit.log_prob(hs[-1]).gather(-1, y[b][:, None])[:, 0]
+            torch.testing.assert_close(out.nll[b], nll, rtol=0, atol=ATOL)
+            cat = hs if mems[b] is None else [torch.cat([m, h]) for m, h in zip(mems[b], hs)]
+            mems[b] = [c[-model.mem_len :] for c in cat]
+
+
+# ------------------------------------------------------------------ discard_worst after a saved state
+def _roundtrip(sd):
+    """A checkpoint's trip through torch.save / torch.load (no tensor shared with the live state)."""
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"cache.top_k": 1, "query.strategy": "middle_l", "summary.name": "mean"}],
+    ids=["token-k2", "middle_l-k1"],
+)
+def test_discard_worst_continues_after_a_saved_state_as_uninterrupted(variant):
+    """cache.renew=discard_worst with 3 slots and k < 3 (so the selected/scored ratios differ and the
+    slot dropped is often not the oldest; with k=1 ratios tie too). A run saved after 5 steps
+    (CRTNState.state_dict through torch.save, rebuilt by CRTN.load_state, SegmentCache.load_state_dict)
+    and continued gives the uninterrupted run's NLL, selections and slot positions exactly, and both
+    agree with the naive reference (tests/reference.py), whose usage and scoring counts are its own;
+    middle_l reads R_prev, which the state carries too."""
+    model = tiny_model(
+        V, **{"model.name": "crtn", "cache.renew": "discard_worst", "cache.n_slot": 3, **variant}
+    )
+    B, L, steps, cut = 2, model.tgt_len, 10, 5
+    tokens = torch.randint(0, V, (B, steps * L + 1))
+
+    def run(state, segs):
+        outs = []
+        with torch.no_grad():
+            for x, y in segs:
+                out = model(x, y, state)
+                state = out.state
+                pos = state.cache.pos
+                outs.append((out, None if pos is None else pos.clone()))
+        return outs, state
+
+    segs = list(_segments(tokens, L))
+    full, _ = run(None, segs)
+    head, state = run(None, segs[:cut])
+    restored = model.load_state(_roundtrip(state.state_dict()), B, "cpu")
+    tail, _ = run(restored, segs[cut:])
+    refs = [NaiveCRTN(model) for _ in range(B)]
+    not_oldest = 0
+    for t, ((o_full, pos_full), (o, pos)) in enumerate(zip(full, head + tail)):
+        assert torch.equal(o.nll, o_full.nll)
+        assert (pos is None and pos_full is None) or torch.equal(pos, pos_full)
+        if o.selection is None:
+            assert o_full.selection is None
+        else:
+            assert torch.equal(o.selection.slot, o_full.selection.slot)
+            assert torch.equal(o.selection.alpha, o_full.selection.alpha)
+        x, y = segs[t]
+        for b, ref in enumerate(refs):
+            before = {s.pos for s in ref.row.slots}
+            with torch.no_grad():
+                nll_ref, sel_ref = ref.step(x[b], y[b], t * L)
+            torch.testing.assert_close(o.nll[b], nll_ref, rtol=0, atol=ATOL)
+            if o.selection is not None:
+                assert (t * L - o.selection.age[b]).tolist() == [[p for p, _ in s] for s in sel_ref]
+            dropped = before - {s.pos for s in ref.row.slots}
+            not_oldest += t > cut and bool(dropped) and min(before) not in dropped
+    assert not_oldest >= 3  # after the load, evictions that FIFO would not make
