@@ -38,7 +38,7 @@ WINDOW_STRATEGIES = tuple(q for q, cls in STRATEGY_CLASSES.items() if cls.kind =
 WINDOW_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "window" in cls.kinds)
 TOKEN_SUMMARIES = tuple(s for s, cls in SUMMARY_CLASSES.items() if "token" in cls.kinds)
 #: Every value of ``data.name``.
-DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic")
+DATASETS = ("wt2", "wt103", "ptb", "enwik8", "text8", "text", "synthetic", "mqar")
 #: Character-level corpora (metric bpc); ``text`` is either, by ``data.level``.
 CHAR_DATASETS = ("enwik8", "text8")
 SCHEDULERS = ("cosine", "inv_sqrt", "constant")
@@ -155,10 +155,31 @@ class SyntheticConfig:
 
 
 @dataclass
+class MqarConfig:
+    """The multi-query associative recall corpus (docs/method.md §4; Arora et al. 2023, "Zoology",
+    MQAR), its layout in :mod:`crtn.data.mqar`."""
+
+    n_keys: int = 2048  # key symbols; a document's keys are distinct and unused by the document before
+    n_values: int = 512  # value symbols; answers are uniform over them (chance accuracy 1/n_values)
+    n_filler: int = 512  # filler symbols, drawn uniformly between the pairs
+    n_pairs: int = 64  # key-value pairs per document, each written once and queried once
+    slot_len: int = 80  # tokens per slot; a slot holds at most one pair (a write or a query)
+    spacing: int = 64  # two pairs of a document lie at least this many tokens apart
+    min_gap: int = 1024  # tokens from an answer back to its stored value, at least
+    max_gap: int = 8192  # ... and at most
+    gap_dist: str = "log_uniform"  # uniform | log_uniform: weight of each query-slot distance d (1 or 1/d)
+    doc_len: int = 18432  # tokens per document before its <eos>
+    train_tokens: int = 2_000_000
+    valid_tokens: int = 262_144
+    test_tokens: int = 262_144
+    seed: int = 1234
+
+
+@dataclass
 class DataConfig:
     """Which corpus, where it lives, and how it is batched (SPEC §4)."""
 
-    name: str = "synthetic"  # wt2 | wt103 | ptb | enwik8 | text8 | text | synthetic
+    name: str = "synthetic"  # wt2 | wt103 | ptb | enwik8 | text8 | text | synthetic | mqar
     root: str = "data"  # folder holding the corpus folders (see conf/data/*.yaml)
     dir: str | None = None  # corpus folder under root, e.g. wikitext-2
     path: str | None = None  # name=text: the UTF-8 file
@@ -168,6 +189,7 @@ class DataConfig:
     batch_size: int = 16
     eval_batch_size: int = 16  # conf/data options of real corpora: 10
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    mqar: MqarConfig = field(default_factory=MqarConfig)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Data: corpora, vocabularies, the synthetic passage-recall corpus and the segment iterator (SPEC §4).
+"""Data: corpora, vocabularies, the synthetic passage-recall and associative-recall (MQAR) corpora and the
+segment iterator (SPEC §4).
 
 Public API::
 
@@ -14,6 +15,7 @@ from crtn.config import DATASETS
 from crtn.data.base import Corpus
 from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus
 from crtn.data.iterator import Batch, StreamIterator
+from crtn.data.mqar import make_mqar
 from crtn.data.synthetic import MarkovSource, make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 
@@ -29,5 +31,6 @@ __all__ = [
     "Vocab",
     "cache_dir_for",
     "load_corpus",
+    "make_mqar",
     "make_synthetic",
 ]

@@ -20,6 +20,7 @@ defaulting to the standard folder name in :data:`DEFAULT_DIRS`):
   level (every character, newline included, is a symbol), cut into
   train/valid/test by the fractions ``data.split`` (contiguous, in file order).
 - ``synthetic``: generated, see :mod:`crtn.data.synthetic`.
+- ``mqar``: generated, see :mod:`crtn.data.mqar` (multi-query associative recall).
 
 The vocabulary is built from the training split only (see :mod:`crtn.data.vocab`
 for the order of the ids); symbols of valid/test outside it map to ``<unk>``
@@ -55,6 +56,7 @@ from filelock import FileLock
 
 from crtn.config import DATASETS, metric_name
 from crtn.data.base import SPLITS, Corpus
+from crtn.data.mqar import make_mqar
 from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 from crtn.errors import ConfigError, DataError
@@ -94,7 +96,7 @@ def load_corpus(cfg: Any) -> Corpus:
 
     Raises:
         ConfigError: unknown ``data.name``, ``data.name=text`` without
-            ``data.path``, bad ``data.level`` or ``data.split``, bad synthetic settings.
+            ``data.path``, bad ``data.level`` or ``data.split``, bad synthetic or mqar settings.
         DataError: missing corpus folder or split file, empty file, invalid
             UTF-8 (with the byte offset), a split without tokens, an unusable
             ``data.cache_dir``.
@@ -104,6 +106,8 @@ def load_corpus(cfg: Any) -> Corpus:
         raise ConfigError(f"data.name={name!r} is not one of: {', '.join(DATASETS)}")
     if name == "synthetic":
         return make_synthetic(_get(cfg, "synthetic", None))
+    if name == "mqar":
+        return make_mqar(_get(cfg, "mqar", None))
     plan = _plan(name, cfg)
     return _load_cached(plan, _get(cfg, "cache_dir", None))
 
