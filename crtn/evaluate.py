@@ -9,6 +9,8 @@ returns JSON-ready metrics:
 - synthetic passage-recall corpus (SPEC §4): the same on ``repeat`` tokens (tokens of a
   copied passage after its first ``repeat_skip``) and ``fresh`` tokens, with next-token
   accuracy, and the Markov source's own NLL on those tokens for comparison.
+- multi-query associative recall (``data=mqar``): accuracy on all tokens and the ``answers``
+  metrics of :class:`crtn.mqar_metrics.AnswerSums` (loss and accuracy on the answers, by gap).
 - crtn: ``retrieval``, the histogram of selected-segment distances and mean distance.
 
 ``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
@@ -38,6 +40,7 @@ from crtn.data import load_corpus
 from crtn.data.synthetic import copy_roots
 from crtn.errors import CheckpointError, UserError
 from crtn.model import RetrievalStats, TransformerLM, build_model
+from crtn.mqar_metrics import AnswerSums, format_answers
 from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ def evaluate(
     state = model.init_state(it.local_batch_size, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
+    recall = _labelled_sums(corpus, split, it, device) if corpus.labels is not None else None
     stats = RetrievalStats()
     buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
     nll_tokens, target_tokens = [], []
@@ -163,6 +166,14 @@ def evaluate(
         result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
         result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
     return result
+
+
+def _labelled_sums(corpus: Any, split: str, it: Any, device: torch.device | str) -> Any:
+    """The sums of a corpus with labels: the answers of ``data=mqar`` (crtn/mqar_metrics.py), else
+    passage recall; both take ``add(model, batch, out, state)`` and ``metrics(corpus, split)``."""
+    if AnswerSums.applies(corpus):
+        return AnswerSums(corpus, device)
+    return _RecallSums(corpus, split, it, device)
 
 
 class _RecallSums:
@@ -229,7 +240,11 @@ class _FreqBuckets:
 
     @staticmethod
     def applies(corpus: Any) -> bool:
-        return corpus.level == "word" and corpus.train_counts is not None and corpus.name != "synthetic"
+        return (
+            corpus.level == "word"
+            and corpus.train_counts is not None
+            and corpus.name not in ("synthetic", "mqar")
+        )
 
     def __init__(self, corpus: Any, device: torch.device | str):
         self.bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
@@ -314,6 +329,7 @@ def format_metrics(m: dict[str, Any]) -> str:
             if "copy_retrieved" in e:
                 hit += f" (or a copy {e['copy_retrieved']:.2f})"
             parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
+    parts += format_answers(m)  # data=mqar
     return " | ".join(parts)
 
 
