@@ -12,7 +12,7 @@ any work starts. Every default is written once, in these dataclasses.
 :func:`resolve` then makes the run spec: every derived default filled (``None`` where a field
 says "None: ..."), every rule checked once, by the part that owns it (the registered model,
 query strategy and summary: :func:`crtn.model.resolve_spec`; the corpus:
-:func:`crtn.data.corpus.resolve_data`; training: :func:`resolve_training`; evaluation-time
+:func:`crtn.data.spec.resolve_data`; training: :func:`resolve_training`; evaluation-time
 settings: :func:`resolve_eval`), with a :class:`ConfigError` naming the key. The run spec is what
 ``crtn-train`` runs, what its checkpoints store, and what evaluation, generation and the
 benchmark rebuild models from (:func:`load_spec`).
@@ -31,8 +31,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from crtn.data.corpus import resolve_data
-from crtn.data.spec import CHAR_DATASETS, DATASETS, DataSpec, SyntheticSpec, data_level, metric_name  # noqa: F401
+from crtn.data.spec import (  # noqa: F401
+    CHAR_DATASETS,
+    DATASETS,
+    DataSpec,
+    MqarSpec,
+    SyntheticSpec,
+    data_level,
+    metric_name,
+    resolve_data,
+)
 from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES

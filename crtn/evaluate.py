@@ -1,15 +1,14 @@
-"""Evaluation: perplexity / bits per character on a split, recall metrics, and ``crtn-eval``.
+"""Evaluation: perplexity / bits per character on a split, and ``crtn-eval``.
 
 ``evaluate`` runs the model over a whole split in order (Transformer-XL batching,
-memory and cache carried across segments and reset at the start, SPEC §4-5) and
+memory and cache carried across segments and reset at the start, docs/method.md §4-5) and
 returns JSON-ready metrics:
 
 - ``loss``: mean NLL in nats per target token; ``ppl = exp(loss)`` for word-level
-  corpora, ``bpc = loss / ln 2`` for character-level ones.
-- synthetic passage-recall corpus (SPEC §4): the same on ``repeat`` tokens (tokens of a
-  copied passage after its first ``repeat_skip``) and ``fresh`` tokens, with next-token
-  accuracy, and the Markov source's own NLL on those tokens for comparison.
-- crtn: ``retrieval``, the histogram of selected-segment distances and mean distance.
+  corpora, ``bpc = loss / ln 2`` for character-level ones;
+- what :mod:`crtn.measures` measures besides: repeat and fresh tokens of the passage-recall
+  corpus, the answers of MQAR, perplexity by word frequency, and for crtn ``retrieval`` (the
+  histogram of selected-segment distances and the weights alpha).
 
 ``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
 overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...): they
@@ -35,16 +34,12 @@ from crtn.app import given_keys, resolve_device, run_app
 from crtn.checkpoint import checkpoint_spec, load_checkpoint
 from crtn.config import RunSpec, metric_name
 from crtn.data import load_corpus
-from crtn.data.synthetic import copy_roots
 from crtn.errors import CheckpointError, UserError
-from crtn.model import RetrievalStats, TransformerLM, build_model
+from crtn.measures import Measures, format_answers
+from crtn.model import TransformerLM, build_model
 from crtn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
-
-# Word-frequency buckets of the CRTN paper's analysis (docs/method.md §5): occurrences in the training split.
-FREQ_EDGES = [100, 1000, 10000]
-FREQ_LABELS = ["<100", "100-1K", "1K-10K", ">10K"]
 
 
 def metric_value(loss: float, level: str) -> float:
@@ -97,7 +92,7 @@ def evaluate(
     state = model.init_state(it.local_batch_size, device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    measures = _Measures(corpus, split, it, device=device, per_token=per_token, retrieves=model.has_cache)
+    measures = Measures(corpus, split, it, device=device, per_token=per_token, retrieves=model.has_cache)
     t_start = time.perf_counter()
     bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
     for batch in it.iterate(0):
@@ -127,193 +122,6 @@ def evaluate(
     return result
 
 
-class _Measures:
-    """What an evaluation measures on each segment beyond the loss: retrieval statistics (models
-    with a cache), the passage-recall sums (the synthetic corpus), perplexity by training frequency
-    (word-level corpora) and, on request, the per-token NLL. ``metrics`` gives their entries of the
-    result dict (module docstring)."""
-
-    def __init__(
-        self,
-        corpus: Any,
-        split: str,
-        it: Any,
-        *,
-        device: torch.device | str,
-        per_token: bool,
-        retrieves: bool,
-    ):
-        self.corpus, self.split, self.retrieves = corpus, split, retrieves
-        self.recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
-        self.stats = RetrievalStats()
-        self.buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
-        self.tokens: tuple[list, list] | None = ([], []) if per_token else None
-
-    def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
-        """Account one segment: ``batch`` (on the device), the model's output and its new state."""
-        if self.buckets is not None:
-            self.buckets.add(batch, out)
-        if self.tokens is not None:
-            self.tokens[0].append(out.nll.float().cpu())
-            self.tokens[1].append(batch.target.cpu())
-        if out.selection is not None:
-            self.stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
-        if self.recall is not None:
-            self.recall.add(model, batch, out, state)
-
-    def metrics(self, count: int) -> dict[str, Any]:
-        """The measures' entries of the result: ``retrieval``, ``repeat``/``fresh``,
-        ``freq_buckets``, ``nll_tokens``/``target_tokens`` (where they apply)."""
-        result: dict[str, Any] = {}
-        if self.retrieves:
-            result["retrieval"] = self.stats.summary()
-        if self.recall is not None:
-            result.update(self.recall.metrics(self.corpus, self.split))
-        if self.buckets is not None and count > 0:
-            result["freq_buckets"] = freq_bucket_ppl(self.buckets.sums)
-        if self.tokens is not None:
-            nll, target = self.tokens
-            result["nll_tokens"] = torch.cat(nll, 1) if nll else torch.empty(0)
-            result["target_tokens"] = torch.cat(target, 1) if target else torch.empty(0)
-        return result
-
-
-class _RecallSums:
-    """Passage-recall sums over a split of the synthetic corpus (SPEC §4): NLL, correct predictions
-    and count on ``repeat`` and ``fresh`` tokens, and where the copied source of repeat tokens lay."""
-
-    def __init__(self, corpus: Any, split: str, it: Any, device: torch.device | str):
-        self.eos = corpus.vocab.eos_idx
-        self.sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
-        self.skip = corpus.info.get("repeat_skip", 0)
-        self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
-        self.root_all = None if self.gap_all is None else copy_roots(self.gap_all)
-        self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
-        # repeat tokens: source in memory, cached, retrieved; all
-        self.where = torch.zeros(5, dtype=torch.float64, device=device)
-
-    def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
-        label = batch.label
-        correct = (model.crit.log_prob(out.hidden).argmax(-1) == batch.target).double()
-        masks = {"repeat": label > self.skip, "fresh": (label == 0) & (batch.target != self.eos)}
-        for k, m in masks.items():
-            m = m.double()
-            self.sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
-        if self.gap_all is not None:
-            self.where += _source_location(
-                out,
-                state,
-                batch,
-                gap_all=self.gap_all,
-                root_all=self.root_all,
-                row_base=self.row_base,
-                repeat=masks["repeat"],
-                model=model,
-            )
-
-    def metrics(self, corpus: Any, split: str) -> dict[str, Any]:
-        """``{"repeat": {...}, "fresh": {...}}``: tokens, loss, ppl, acc, the source's ppl, where the source lay."""
-        src = corpus.source_nll[split] if corpus.source_nll is not None else None
-        labels_all = corpus.labels[split].long()
-        target_all = corpus.splits[split]
-        result: dict[str, Any] = {}
-        for k in ("repeat", "fresh"):
-            s_nll, s_acc, n = self.sums[k].tolist()
-            entry: dict[str, Any] = {"tokens": int(n)}
-            if n > 0:
-                entry.update(loss=s_nll / n, ppl=math.exp(min(s_nll / n, 700.0)), acc=s_acc / n)
-            if src is not None:
-                m = labels_all > self.skip if k == "repeat" else (labels_all == 0) & (target_all != self.eos)
-                m = m & torch.isfinite(src)
-                if m.any():
-                    entry["source_ppl"] = math.exp(src[m].double().mean().item())
-            result[k] = entry
-        if self.gap_all is not None and self.where[3] > 0:
-            mem, cached, hit, n, chain = self.where.tolist()
-            result["repeat"]["source_in_memory"] = mem / n
-            result["repeat"]["source_in_cache"] = cached / n
-            result["repeat"]["source_retrieved"] = hit / n
-            result["repeat"]["copy_retrieved"] = chain / n
-        return result
-
-
-class _FreqBuckets:
-    """NLL sums and token counts per training-frequency bucket of the target word (SPEC §5)."""
-
-    @staticmethod
-    def applies(corpus: Any) -> bool:
-        return corpus.level == "word" and corpus.train_counts is not None and corpus.name != "synthetic"
-
-    def __init__(self, corpus: Any, device: torch.device | str):
-        self.bucket_of = torch.bucketize(corpus.train_counts, torch.tensor(FREQ_EDGES), right=True).to(device)
-        self.sums = torch.zeros(2, len(FREQ_EDGES) + 1, dtype=torch.float64, device=device)
-
-    def add(self, batch: Any, out: Any) -> None:
-        b = self.bucket_of[batch.target].reshape(-1)
-        self.sums[0].index_add_(0, b, out.nll.reshape(-1).double())
-        self.sums[1].index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
-
-
-def _source_location(
-    out: Any,
-    state: Any,
-    batch: Any,
-    gap_all: torch.Tensor,
-    root_all: torch.Tensor,
-    row_base: torch.Tensor,
-    repeat: torch.Tensor,
-    model: TransformerLM,
-) -> torch.Tensor:
-    """Where the token that each repeated target copies lies, for the passage-recall corpus.
-
-    Returns [5] counts over ``repeat`` targets: source within the memory or current
-    segment (reachable without retrieval), source in a cached slot, source in one of the
-    token's retrieved slots, all repeat targets, and targets for which a retrieved slot
-    holds *the same text*: the source or any other copy of the same original passage
-    (the source's own source, or another copy made from it; ``root_all``, see
-    :func:`copy_roots`). A passage copied more than once appears several times in a
-    large cache, and any occurrence lets the model copy. Positions are per-stream (SPEC §4).
-    """
-    L = batch.input.shape[1]
-    t0 = batch.index * model.tgt_len
-    j = torch.arange(L, device=repeat.device)
-    gap = gap_all[row_base + t0 + j + 1].long()  # [B, L] gap of each target token
-    src = (t0 + j + 1)[None, :] - gap  # stream position of the copied token
-    in_memory = src >= t0 - min(model.mem_len, t0)  # memory as read during this step
-    counts = [(in_memory & repeat).sum()]
-    cache = state.cache
-    if cache is not None and cache.n_valid > 0 and out.selection is not None:
-        seg = cache.seg_len
-        valid_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
-        # the cache as it was read during this step: renewal is committed at the next step
-        cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
-        pos = t0 - out.selection.age  # [B, L, k]
-        hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
-        counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
-        # the same text: a row of a selected slot with the source's root
-        flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
-        want = root_all[flat_src.clamp(min=0)]
-        rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
-            max=root_all.numel() - 1
-        )  # [B, L, k, seg] split index of each row of the selected slots
-        # a direct hit is one of these: the source row has the source's root
-        same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
-        chain = (same & repeat).sum()
-    else:
-        counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
-        chain = torch.zeros((), device=repeat.device, dtype=torch.long)
-    counts += [repeat.sum(), chain]
-    return torch.stack(counts).double()
-
-
-def freq_bucket_ppl(sums: torch.Tensor) -> dict[str, dict[str, float]]:
-    """Perplexity per training-frequency bucket: sums [2, 4] (NLL sum, token count) -> JSON dict."""
-    out = {}
-    for label, (nll, n) in zip(FREQ_LABELS, sums.t().tolist()):
-        out[label] = {"tokens": int(n), "ppl": math.exp(min(nll / n, 700.0)) if n else None}
-    return out
-
-
 def format_metrics(m: dict[str, Any]) -> str:
     """One line: ``test: ppl 123.45 (loss 4.816) | repeat ppl 1.10 acc 0.97 | fresh ppl ...``."""
     key = "bpc" if "bpc" in m else "ppl"
@@ -327,6 +135,7 @@ def format_metrics(m: dict[str, Any]) -> str:
             if "copy_retrieved" in e:
                 hit += f" (or a copy {e['copy_retrieved']:.2f})"
             parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
+    parts += format_answers(m)  # data=mqar
     return " | ".join(parts)
 
 

@@ -554,7 +554,7 @@ class Trainer:
         self.validate_pending = False
         p.elapsed = time.perf_counter() - self.t_start
         rec = {"step": p.step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": p.elapsed}
-        for k in ("repeat", "fresh"):
+        for k in ("repeat", "fresh", "answers"):  # answers: data=mqar
             if k in m and "acc" in m[k]:
                 rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
         log.info("eval at step %d: %s (%.1fs)", p.step, format_metrics(m), time.perf_counter() - t_eval)

@@ -1,4 +1,5 @@
-"""Data: corpora, vocabularies, the synthetic passage-recall corpus and the segment iterator (SPEC §4).
+"""Data: corpora, vocabularies, the synthetic passage-recall and associative-recall (MQAR) corpora and
+the segment iterator (docs/method.md §4).
 
 Public API::
 
@@ -11,15 +12,17 @@ Public API::
 """
 
 from crtn.data.base import Corpus
-from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus, resolve_data
+from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus
 from crtn.data.iterator import Batch, StreamIterator
-from crtn.data.spec import DATASETS, DataSpec, SyntheticSpec
+from crtn.data.mqar import make_mqar
+from crtn.data.spec import DATASETS, DataSpec, MqarSpec, SyntheticSpec, resolve_data
 from crtn.data.synthetic import MarkovSource, make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 
 __all__ = [
     "DATASETS",
     "DataSpec",
+    "MqarSpec",
     "SyntheticSpec",
     "DEFAULT_DIRS",
     "EOS",
@@ -31,6 +34,7 @@ __all__ = [
     "Vocab",
     "cache_dir_for",
     "load_corpus",
+    "make_mqar",
     "make_synthetic",
     "resolve_data",
 ]

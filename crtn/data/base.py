@@ -1,5 +1,6 @@
-"""The :class:`Corpus` container, shared by the file corpora (:mod:`crtn.data.corpus`) and the
-synthetic passage-recall corpus (:mod:`crtn.data.synthetic`)."""
+"""The :class:`Corpus` container, shared by the file corpora (:mod:`crtn.data.corpus`), the
+synthetic passage-recall corpus (:mod:`crtn.data.synthetic`) and the multi-query associative
+recall corpus (:mod:`crtn.data.mqar`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ class Corpus:
         splits: ``{"train", "valid", "test"}`` -> 1-D ``torch.int64`` CPU tensor of ids.
         labels: synthetic only, per split a 1-D ``torch.int16`` tensor aligned with
             ``splits``: 0 for a fresh token or ``<eos>``, ``i >= 1`` for the i-th
-            token (1-based) of a repeated passage. None for other corpora.
+            token (1-based) of a repeated passage. ``mqar``: ``torch.int32``, the gap
+            of each answer token (> 0, :mod:`crtn.data.mqar`), 0 elsewhere. None for
+            other corpora.
         source_nll: synthetic only, per split a 1-D ``torch.float32`` tensor: the
             NLL in nats of each token under the generating Markov source (nan for
             ``<eos>``, inf where the source gives probability 0, which happens
@@ -39,7 +42,8 @@ class Corpus:
         source: synthetic only, the :class:`crtn.data.synthetic.MarkovSource`.
         repeat_gap: synthetic only, per split a 1-D ``torch.int32`` tensor: for each
             token of a copied passage the distance in tokens back to the token it
-            copies, 0 elsewhere (to check what retrieval finds). None otherwise.
+            copies, 0 elsewhere (to check what retrieval finds); ``mqar``: the
+            ``labels`` tensor (an answer copies its stored value). None otherwise.
     """
 
     name: str

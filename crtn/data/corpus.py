@@ -20,6 +20,7 @@ defaulting to the standard folder name in :data:`DEFAULT_DIRS`):
   level (every character, newline included, is a symbol), cut into
   train/valid/test by the fractions ``data.split`` (contiguous, in file order).
 - ``synthetic``: generated, see :mod:`crtn.data.synthetic`.
+- ``mqar``: generated, see :mod:`crtn.data.mqar` (multi-query associative recall).
 
 The vocabulary is built from the training split only (see :mod:`crtn.data.vocab`
 for the order of the ids); symbols of valid/test outside it map to ``<unk>``
@@ -45,7 +46,7 @@ import os
 import stat
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +55,18 @@ import torch
 from filelock import FileLock
 
 from crtn.data.base import SPLITS, Corpus
+from crtn.data.mqar import make_mqar
 from crtn.data.spec import (
-    CHAR_DATASETS,
-    DATASETS,
-    LEVEL_DATASETS,
-    LEVELS,
+    DEFAULT_DIRS,
     DataSpec,
-    SyntheticSpec,
     metric_name,
+    resolve_data,
 )
 from crtn.data.synthetic import make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
-from crtn.errors import ConfigError, DataError, check_choice
+from crtn.errors import DataError
 from crtn.utils import atomic_write
 
-#: Standard corpus folder of each data set (``data.dir`` when it is None).
-DEFAULT_DIRS = {
-    "wt2": "wikitext-2",
-    "wt103": "wikitext-103",
-    "ptb": "penn",
-    "enwik8": "enwik8",
-    "text8": "text8",
-}
 #: Symbols held out at the end of a raw character-level corpus for test, and before them for valid.
 CHAR_HELDOUT = 5_000_000
 #: Bump when the cache format or the encoding rules change.
@@ -101,7 +92,7 @@ def load_corpus(cfg: Any) -> Corpus:
         The :class:`Corpus`; encoded splits come from the cache when it is valid.
 
     Raises:
-        ConfigError: see :func:`resolve_data`; bad synthetic settings.
+        ConfigError: see :func:`resolve_data`; bad synthetic or mqar settings.
         DataError: missing corpus folder or split file, empty file, invalid
             UTF-8 (with the byte offset), a split without tokens, an unusable
             ``data.cache_dir``.
@@ -109,71 +100,9 @@ def load_corpus(cfg: Any) -> Corpus:
     spec = resolve_data(cfg)
     if spec.name == "synthetic":
         return make_synthetic(spec.synthetic)
+    if spec.name == "mqar":
+        return make_mqar(spec.mqar)
     return _load_cached(_plan(spec), spec.cache_dir)
-
-
-def resolve_data(cfg: Any) -> DataSpec:
-    """The resolved ``data`` spec of ``cfg`` (an object or dict with :class:`DataSpec`'s fields):
-    ``dir`` None becomes the corpus' standard folder, ``level`` None its own level, ``split`` None
-    0.9/0.05/0.05 for ``data.name=text``; keys the corpus would ignore are refused.
-
-    Raises:
-        ConfigError: unknown ``data.name`` or ``data.level``; ``data.level=word`` for a
-            character-level corpus (or ``char`` for the synthetic one); ``data.path`` or
-            ``data.split`` with a corpus other than ``text``; ``data.name=text`` without
-            ``data.path``; a ``data.split`` that is not three positive fractions summing to 1;
-            batch sizes <= 0.
-    """
-    spec = _as_spec(cfg)
-    name = spec.name
-    check_choice("data.name", name, DATASETS)
-    if spec.level is not None:
-        check_choice("data.level", spec.level, LEVELS)
-    own = "char" if name in CHAR_DATASETS else "word"
-    if name not in LEVEL_DATASETS and spec.level not in (None, own):
-        raise ConfigError(f"data.level={spec.level}: data.name={name} exists at {own} level only")
-    for key in ("path", "split"):
-        if name != "text" and getattr(spec, key) is not None:
-            raise ConfigError(f"data.{key}={getattr(spec, key)!r} applies to data.name=text only, not {name}")
-    if spec.batch_size <= 0 or spec.eval_batch_size <= 0:
-        raise ConfigError("data.batch_size and data.eval_batch_size must be > 0")
-    split = spec.split
-    if name == "text":
-        if not spec.path:
-            raise ConfigError("data.name=text needs data.path=<a UTF-8 text file>")
-        split = _fractions((0.9, 0.05, 0.05) if split is None else split)
-    return replace(spec, dir=spec.dir or DEFAULT_DIRS.get(name), level=spec.level or own, split=split)
-
-
-def _as_spec(cfg: Any) -> DataSpec:
-    if isinstance(cfg, DataSpec):
-        return cfg
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    values = {}
-    for f in fields(DataSpec):
-        value = get(f.name, None)
-        if value is None:
-            continue
-        if f.name == "synthetic":
-            sget = value.get if isinstance(value, dict) else lambda k, d=None, v=value: getattr(v, k, d)
-            synthetic = {g.name: sget(g.name, None) for g in fields(SyntheticSpec)}
-            value = SyntheticSpec(**{k: v for k, v in synthetic.items() if v is not None})
-        elif f.name == "split":
-            value = list(value)
-        values[f.name] = value
-    return DataSpec(**values)
-
-
-def _fractions(fractions: Any) -> tuple[float, float, float]:
-    try:
-        fractions = [float(x) for x in fractions]
-    except (TypeError, ValueError):
-        raise ConfigError(f"data.split={fractions!r} must be 3 positive numbers summing to 1") from None
-    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1.0) > 1e-6:
-        raise ConfigError(
-            f"data.split={fractions} must be 3 positive numbers (train, valid, test) summing to 1"
-        )
-    return tuple(fractions)
 
 
 # ====================================================================== plans
