@@ -10,6 +10,8 @@ returns JSON-ready metrics:
   copied passage after its first ``repeat_skip``) and ``fresh`` tokens, with next-token
   accuracy, and the Markov source's own NLL on those tokens for comparison.
 - crtn: ``retrieval``, the histogram of selected-segment distances and mean distance.
+- ``distance_buckets``: loss by distance to the previous occurrence of the target in its
+  stream, symbol and longest n-gram (:mod:`crtn.analysis.distance`).
 
 ``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
 overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...).
@@ -31,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from crtn.analysis.distance import DistanceBuckets
 from crtn.app import resolve_device, run_app
 from crtn.checkpoint import checkpoint_config, load_checkpoint
 from crtn.config import metric_name, uses_cache, validate_eval
@@ -120,7 +123,7 @@ def evaluate(
     count = 0
     recall = _RecallSums(corpus, split, it, device) if corpus.labels is not None else None
     stats = RetrievalStats()
-    buckets = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
+    analyses = _TokenAnalyses(corpus, split, it, device)
     nll_tokens, target_tokens = [], []
     t_start = time.perf_counter()
     bar = tqdm(total=n_seg, desc=f"eval {split}", disable=not progress, leave=False, dynamic_ncols=True)
@@ -134,8 +137,7 @@ def evaluate(
         state = out.state
         total += out.nll.sum(dtype=torch.float64)
         count += out.nll.numel()
-        if buckets is not None:
-            buckets.add(batch, out)
+        analyses.add(batch, out)
         if per_token:
             nll_tokens.append(out.nll.float().cpu())
             target_tokens.append(batch.target.cpu())
@@ -157,8 +159,8 @@ def evaluate(
         result.update(n_slot=model.n_slot, top_k=model.top_k, retrieval=stats.summary())
     if recall is not None:
         result.update(recall.metrics(corpus, split))
-    if buckets is not None and count > 0:
-        result["freq_buckets"] = freq_bucket_ppl(buckets.sums)
+    if count > 0:
+        result.update(analyses.metrics(model))
     if per_token:
         result["nll_tokens"] = torch.cat(nll_tokens, 1) if nll_tokens else torch.empty(0)
         result["target_tokens"] = torch.cat(target_tokens, 1) if target_tokens else torch.empty(0)
@@ -239,6 +241,27 @@ class _FreqBuckets:
         b = self.bucket_of[batch.target].reshape(-1)
         self.sums[0].index_add_(0, b, out.nll.reshape(-1).double())
         self.sums[1].index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
+
+
+class _TokenAnalyses:
+    """The per-token analyses summed during an evaluation: training-frequency buckets (word-level
+    corpora, :class:`_FreqBuckets`) and distance buckets (:class:`crtn.analysis.distance.DistanceBuckets`)."""
+
+    def __init__(self, corpus: Any, split: str, it: Any, device: torch.device | str):
+        self.freq = _FreqBuckets(corpus, device) if _FreqBuckets.applies(corpus) else None
+        self.distance = DistanceBuckets(corpus, split, it, device)
+        self.corpus, self.split = corpus, split
+
+    def add(self, batch: Any, out: Any) -> None:
+        if self.freq is not None:
+            self.freq.add(batch, out)
+        self.distance.add(batch.index, out.nll)
+
+    def metrics(self, model: TransformerLM) -> dict[str, Any]:
+        """``freq_buckets`` (when it applies) and ``distance_buckets``, JSON-ready."""
+        out = {} if self.freq is None else {"freq_buckets": freq_bucket_ppl(self.freq.sums)}
+        out["distance_buckets"] = self.distance.summary(model, self.corpus, self.split)
+        return out
 
 
 def _source_location(
