@@ -343,18 +343,43 @@ class ConvertAppConfig:
     data: DataConfig | None = None  # the data group (data=ptb ...), stored in the checkpoint's config
 
 
+@dataclass
+class ReclAppConfig:
+    """Root of ``crtn-recl``'s config (``conf/recl.yaml``): the relative effective context length
+    of a group of checkpoints (Dai et al. 2019, section 4.3; :mod:`crtn.analysis.recl`)."""
+
+    checkpoints: list[str] = MISSING  # the model group, evaluated on the corpus of the first
+    names: list[str] | None = None  # one per checkpoint; None: each checkpoint's model.name
+    split: str = "valid"
+    # contexts c = c0, c0 + delta, ..., c_max: memory mem_len = c (no cache), n_slot = (c - m) / L
+    # (cache); c0 None: the smallest multiple of delta that is >= every cached model's mem_len
+    c0: int | None = None
+    delta: int = MISSING
+    c_max: int = MISSING
+    ratios: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # r, fraction of hardest tokens
+    threshold: float = 0.01
+    max_tokens: int = 10_000  # tokens scored (the same for every model), max_tokens // batch_size per stream
+    batch_size: int | None = None  # streams; None: the first checkpoint's data.eval_batch_size
+    same_length: bool = True  # every scored token attends exactly c memory+segment positions
+    cache: CacheOverrides = field(default_factory=CacheOverrides)
+    data: DataOverrides = field(default_factory=DataOverrides)
+    device: str = "cpu"
+    progress: bool = True
+
+
 #: The schema of each Hydra app, by primary config name (``conf/NAME.yaml`` starts from ``NAME_schema``).
 APP_SCHEMAS: dict[str, type] = {
     "train": TrainAppConfig,
     "eval": EvalAppConfig,
     "generate": GenerateAppConfig,
     "convert": ConvertAppConfig,
+    "recl": ReclAppConfig,
 }
 
 
 def register_configs() -> None:
     """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
-    ``convert_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
+    ``convert_schema``, ``recl_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()
