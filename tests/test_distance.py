@@ -159,17 +159,14 @@ def _ptb(root: Path):
     return load_corpus(cfg)
 
 
-@pytest.mark.parametrize("model_name,max_step", [("crtn", None), ("txl", 2)])
-def test_evaluation_sums_match_a_python_loop(tmp_path, model_name, max_step):
-    corpus = _ptb(_corpus_dir(tmp_path))
-    model = tiny_model(n_token=len(corpus.vocab), **{"model.name": model_name})
-    m = evaluate(model, corpus, "valid", batch_size=3, device="cpu", per_token=True, max_step=max_step)
-    nll = m["nll_tokens"]  # [3, columns]; column j predicts stream position j + 1
-    ids = corpus.splits["valid"].tolist()
-    stream_len = len(ids) // 3
+def assert_sums_match_a_loop(m: dict, ids: list[int], n_stream: int) -> None:
+    """``m["distance_buckets"]`` of an evaluation against sums over its per-token NLL (a Python
+    loop over the tokens, distances by :func:`naive_distances`)."""
+    nll = m["nll_tokens"]  # [n_stream, columns]; column j predicts stream position j + 1
+    stream_len = len(ids) // n_stream
     sums = {k: {b: [0.0, 0] for b in range(7)} for k in ("symbol", "ngram")}
     per_n = {b: [0] * (MAX_NGRAM + 1) for b in range(7)}
-    for row in range(3):
+    for row in range(n_stream):
         for j in range(nll.shape[1]):
             p = row * stream_len + j + 1
             d_sym, n, d = naive_distances(ids, p, row * stream_len)
@@ -179,8 +176,6 @@ def test_evaluation_sums_match_a_python_loop(tmp_path, model_name, max_step):
             per_n[naive_bucket(d)][n] += 1
     db = m["distance_buckets"]
     assert db["tokens"] == m["tokens"] == nll.numel()
-    if max_step is not None:
-        assert nll.numel() == 3 * max_step * 3  # 3 streams x 2 segments x tgt_len 3
     for kind in ("symbol", "ngram"):
         for b, name in enumerate(BUCKETS):
             entry = db[kind][name]
@@ -188,18 +183,47 @@ def test_evaluation_sums_match_a_python_loop(tmp_path, model_name, max_step):
             assert entry["tokens"] == count, (kind, name)
             if count:
                 assert entry["loss"] == pytest.approx(total / count, rel=1e-6)  # per_token NLL is float32
-                assert entry["loss_share"] == pytest.approx(
-                    total / nll.sum().item(), rel=1e-6
-                )  # per_token NLL is float32
+                assert entry["loss_share"] == pytest.approx(total / nll.sum().item(), rel=1e-6)
             else:
                 assert entry["loss"] is None
     for b, name in enumerate(BUCKETS):
         assert db["ngram"][name]["ngram_tokens"] == {str(n): per_n[b][n] for n in range(1, MAX_NGRAM + 1)}
+
+
+@pytest.mark.parametrize("model_name,max_step", [("crtn", None), ("txl", 2)])
+def test_evaluation_sums_match_a_python_loop(tmp_path, model_name, max_step):
+    corpus = _ptb(_corpus_dir(tmp_path))
+    model = tiny_model(n_token=len(corpus.vocab), **{"model.name": model_name})
+    m = evaluate(model, corpus, "valid", batch_size=3, device="cpu", per_token=True, max_step=max_step)
+    assert_sums_match_a_loop(m, corpus.splits["valid"].tolist(), n_stream=3)
+    if max_step is not None:
+        assert m["tokens"] == 3 * max_step * 3  # 3 streams x 2 segments x tgt_len 3
+    db = m["distance_buckets"]
     # reach: m + N*L + L = 3 + 3*3 + 3 for crtn (N = 3 slots), 3 + 3 for txl, whose layers reach 2*3 + 3
     assert (db["reach_tokens"], db["layer_reach_tokens"]) == ((15, None) if model_name == "crtn" else (6, 9))
     assert db["corpus"] == "ptb" and db["split"] == "valid" and db["model"] == model_name
     marks = [db["symbol"][b]["reach"] for b in BUCKETS]
     assert marks == [None, "partly", "beyond", "beyond", "beyond", "beyond", "beyond"]
+
+
+@pytest.mark.parametrize("corpus_kind", ["char", "synthetic"])
+def test_evaluation_on_character_and_synthetic_corpora(tmp_path, corpus_kind):
+    cfg = OmegaConf.structured(DataConfig)
+    if corpus_kind == "char":
+        (tmp_path / "chars.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 30)
+        cfg.name, cfg.path, cfg.level, cfg.split = (
+            "text",
+            str(tmp_path / "chars.txt"),
+            "char",
+            [0.6, 0.2, 0.2],
+        )
+    else:
+        cfg.synthetic.train_tokens, cfg.synthetic.valid_tokens, cfg.synthetic.test_tokens = 2000, 600, 600
+    corpus = load_corpus(cfg)
+    model = tiny_model(n_token=len(corpus.vocab), **{"model.name": "txl"})
+    m = evaluate(model, corpus, "test", batch_size=2, device="cpu", per_token=True)
+    assert_sums_match_a_loop(m, corpus.splits["test"].tolist(), n_stream=2)
+    assert m["distance_buckets"]["corpus"] == ("text" if corpus_kind == "char" else "synthetic")
 
 
 def test_reach_marks_by_hand():
