@@ -44,7 +44,7 @@ IDS = np.array([SYM[s] for s in TEXT])
 
 def test_previous_occurrences_by_hand():
     prev = previous_occurrences(IDS)
-    assert prev.shape == (MAX_NGRAM, 20) and prev.dtype == np.int64
+    assert prev.shape == (MAX_NGRAM, 20) and prev.dtype == np.int32
     # symbols, in the whole split (streams ignored here)
     #        a   b   c  a  b  c   d  a  b   e   f  a  b  c  e   f   a   b   c   g
     sym = [-1, -1, -1, 0, 1, 2, -1, 3, 4, -1, -1, 7, 8, 5, 9, 10, 11, 12, 13, -1]

@@ -87,7 +87,7 @@ def previous_occurrences(ids: np.ndarray | torch.Tensor, max_n: int = MAX_NGRAM)
         max_n: longest n-gram.
 
     Returns:
-        int64 [max_n, N]: ``prev[n-1, p]`` = the largest end position ``q < p`` with
+        [max_n, N], int32 (int64 from 2^31 tokens on): ``prev[n-1, p]`` = the largest end position ``q < p`` with
         ``x_{q-n+1..q} = x_{p-n+1..p}``, or -1 when there is none or ``p < n-1``. Row 0 is the
         previous occurrence of the symbol itself. n-grams are identified without overflow by
         ``rank_{n-1}[p-1] * V + x_p`` (the dense rank of the (n-1)-gram ending at ``p-1``).
@@ -96,7 +96,7 @@ def previous_occurrences(ids: np.ndarray | torch.Tensor, max_n: int = MAX_NGRAM)
     n_tok = len(ids)
     prev = np.full((max_n, n_tok), -1, dtype=np.int64)
     if n_tok == 0:
-        return prev
+        return prev.astype(_dtype(0))
     base = int(ids.max()) + 1
     prev[0], rank = _previous_equal(ids)
     for n in range(2, max_n + 1):
@@ -106,13 +106,18 @@ def previous_occurrences(ids: np.ndarray | torch.Tensor, max_n: int = MAX_NGRAM)
         keys = rank[:-1] * base + ids[n - 1 :]
         p_prev, rank = _previous_equal(keys)
         prev[n - 1, n - 1 :] = np.where(p_prev >= 0, p_prev + n - 1, -1)
-    return prev
+    return prev.astype(_dtype(n_tok))
+
+
+def _dtype(n_tok: int) -> type:
+    """Positions of a split of ``n_tok`` tokens: int32 while they fit (half the cache file)."""
+    return np.int32 if n_tok < 2**31 else np.int64
 
 
 def _valid(prev: Any, ids: np.ndarray) -> bool:
     """Whether a loaded array can be the :func:`previous_occurrences` of ``ids`` (shape, range, symbols)."""
     n_tok = len(ids)
-    if not isinstance(prev, np.ndarray) or prev.shape != (MAX_NGRAM, n_tok) or prev.dtype != np.int64:
+    if not isinstance(prev, np.ndarray) or prev.shape != (MAX_NGRAM, n_tok) or prev.dtype != _dtype(n_tok):
         return False
     pos = np.arange(n_tok)
     if not ((prev >= -1) & (prev < pos)).all():
@@ -174,7 +179,7 @@ def split_occurrences(corpus: Any, split: str) -> np.ndarray:
     read without a cache).
 
     Returns:
-        int64 [MAX_NGRAM, N], N the split's length.
+        [MAX_NGRAM, N] (see :func:`previous_occurrences`), N the split's length.
     """
     ids = corpus.splits[split].numpy()
     folder = corpus.info.get("cache_dir") if corpus.info.get("cache") in ("loaded", "built") else None
