@@ -360,7 +360,9 @@ class ReclAppConfig:
     threshold: float = 0.01
     max_tokens: int = 10_000  # tokens scored (the same for every model), max_tokens // batch_size per stream
     batch_size: int | None = None  # streams; None: the first checkpoint's data.eval_batch_size
-    same_length: bool = True  # every scored token attends exactly c memory+segment positions
+    same_length: bool = (
+        True  # each query attends exactly mem_len positions (itself included), as Transformer-XL's RECL
+    )
     cache: CacheOverrides = field(default_factory=CacheOverrides)
     data: DataOverrides = field(default_factory=DataOverrides)
     device: str = "cpu"

@@ -16,10 +16,12 @@ Context length c of each model (:func:`context_lengths`):
   gains are 0).
 
 With ``same_length=true`` (the default) every query attends exactly ``mem_len`` positions of
-memory and segment (Transformer-XL's ``same_length``), so that every scored token of a model
-without a cache sees exactly c tokens, the attention length with which the Transformer-XL paper
-measures RECL; with ``false`` a token at position j of its segment sees ``c + j``. It is applied
-to the models with memory only.
+memory and segment, itself included (Transformer-XL's ``same_length``): the prediction of a
+scored target ``x_p`` of a model without a cache reads exactly the c inputs ``x_{p-c} ..
+x_{p-1}`` in every layer, the attention length with which the Transformer-XL paper measures
+RECL; a cached model reads m of them plus the top_k segments it retrieves among its N cached
+ones. With ``false`` the query at position j of its segment (0-based) reads ``c + j + 1``
+inputs. It is applied to the models with memory only (without memory it would hide every key).
 
 Scored tokens, the same for every model and context: ``batch_size`` streams (Transformer-XL
 batching, :class:`crtn.data.StreamIterator`), and in each the target columns ``[w, w + T)`` with

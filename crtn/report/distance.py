@@ -138,8 +138,11 @@ def _reach_x(reach: float) -> float:
     return len(BUCKETS) - 1.5
 
 
-def plot_distance_nll(series: list[tuple[Job, dict[str, Any]]], path: Path, title: str, colors: dict) -> bool:
-    """One corpus: mean NLL per bucket, one line per job, (a) and (b) side by side, reaches marked."""
+def plot_distance_nll(
+    series: list[tuple[Job, dict[str, Any]]], path: Path, title: str, colors: dict, corpus: str = ""
+) -> bool:
+    """One corpus's figure (module docstring): mean NLL per bucket, one line per job of ``series``
+    ((job, distance_buckets) pairs), (a) and (b) side by side, reaches marked; False when empty."""
     if not series:
         return False
     labels = [f"{j.label} ({job_model(j)})" for j, _ in series]
@@ -166,7 +169,6 @@ def plot_distance_nll(series: list[tuple[Job, dict[str, Any]]], path: Path, titl
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("mean NLL (nats), lower is better")
     split = "/".join(sorted({str(db.get("split")) for _, db in series}))
-    corpus = next(iter(by_corpus([j for j, _ in series])), "")
     _suptitle(
         fig,
         f"Loss by distance to the previous occurrence, {corpus} ({split} split); dashed: reach m + N·L + L, "
@@ -182,5 +184,7 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
     makers = []
     for corpus, series in by_corpus(jobs).items():
         name = f"distance_nll_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}.png"
-        makers.append((name, lambda p, s=series: plot_distance_nll(s, p, title, colors)))
+        makers.append(
+            (name, lambda p, s=series, c=corpus: plot_distance_nll(s, p, title, colors=colors, corpus=c))
+        )
     return makers
