@@ -352,3 +352,30 @@ def test_report_figure_and_table_from_fabricated_jobs(tmp_path):
     # job 0 (crtn) against job 1 (txl): 3.0 - 3.5 at 'first', beyond the reach from bucket 3 on
     assert "| 0 | crtn | symbol | -0.500 | -0.500 | -0.500 | -0.500† | -0.500† | -0.500† |  |" in md
     assert "| 3 | crtn | ngram | 4.125 | 4.375 | 4.625 | 4.875† | 5.125† | 5.375† |  |" in md
+
+
+def _eval_job(root: Path, name: str, db: dict) -> None:
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "config.yaml").write_text(json.dumps({"checkpoint": "ckpt.pt", "eval": {}}))
+    (d / ".hydra" / "overrides.yaml").write_text(json.dumps(["checkpoint=ckpt.pt"]))
+    split = db["split"]
+    (d / "eval.json").write_text(
+        json.dumps({"checkpoint": "ckpt.pt", split: {"split": split, "loss": 3.0, "distance_buckets": db}})
+    )
+
+
+def test_report_baseline_prefers_a_training_job_and_the_same_split(tmp_path):
+    """A crtn-eval job of a txl checkpoint listed before the txl training job is not the baseline;
+    a job that evaluated another split than the baseline gets no differences."""
+    sweep = tmp_path / "sweep"
+    _eval_job(sweep, "0", _buckets("wt2", "txl", 3.75, 128, 320))
+    _job(sweep, "1", "txl", "wt2", _buckets("wt2", "txl", 3.5, 128, 320))
+    valid = {**_buckets("wt2", "crtn", 3.0, 304, None), "split": "valid"}
+    _eval_job(sweep, "2", valid)
+    files = write_report(sweep, plots=False)
+    with open(files["distance_nll.csv"], newline="") as f:
+        rows = {(r["job"], r["analysis"]): r for r in csv.DictReader(f)}
+    assert {r["baseline"] for r in rows.values()} == {"1"}
+    assert float(rows[("0", "symbol")]["diff_first"]) == 0.25
+    assert rows[("2", "symbol")]["nll_first"] == "3.0" and rows[("2", "symbol")]["diff_first"] == ""

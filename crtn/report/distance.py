@@ -7,8 +7,9 @@
   reach through the layers (``n_layer·m + L``) a dotted one.
 - ``distance_nll.csv`` and a table in ``report.md``: per job and analysis, the mean NLL of every
   bucket and its difference to the Transformer-XL job of the same corpus (the job whose model,
-  as its ``model=`` override or else its config says, is ``txl``; the first such job when there
-  are several). A corpus without one is named in the report and gets no differences.
+  as its ``model=`` override or else its config says, is ``txl``; the first training job of them
+  when there are several, else the first ``crtn-eval`` job). A corpus without one is named in the
+  report and gets no differences, nor do jobs that evaluated another split than the baseline.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def by_corpus(jobs: list[Job]) -> dict[str, list[tuple[Job, dict[str, Any]]]]:
 
 
 def baseline_of(series: list[tuple[Job, dict[str, Any]]]) -> tuple[Job, dict[str, Any]] | None:
-    """The first job of a corpus whose model is ``txl`` (:func:`job_model`), or None."""
-    return next(((j, db) for j, db in series if job_model(j) == BASELINE), None)
+    """The first training job of a corpus whose model is ``txl`` (:func:`job_model`), else the
+    first such ``crtn-eval`` job, or None."""
+    txl = [(j, db) for j, db in series if job_model(j) == BASELINE]
+    return next((p for p in txl if p[0].kind == "train"), txl[0] if txl else None)
 
 
 def _loss(db: dict[str, Any], kind: str, bucket: str) -> float | None:
@@ -68,7 +71,8 @@ def distance_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]], di
 
     Rows: corpus, job, model, split, analysis (``symbol`` / ``ngram``), baseline job, then per
     bucket ``nll_<bucket>`` (mean NLL, nats) and ``diff_<bucket>`` (minus the baseline's; empty
-    without a baseline or a value). The baseline text is ``job N`` or ``none: ...``.
+    without a baseline, a value, or when the baseline evaluated another split). The baseline text
+    is ``job N`` or ``none: ...``.
     """
     cols = ["corpus", "job", "model", "split", "analysis", "baseline"]
     cols += [f"{p}_{b}" for b in BUCKETS for p in ("nll", "diff")]
@@ -84,7 +88,8 @@ def distance_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]], di
                 row.update(split=db.get("split"), analysis=kind, baseline=base[0].name if base else None)
                 for b in BUCKETS:
                     mine = _loss(db, kind, b)
-                    ref = _loss(base[1], kind, b) if base else None
+                    same_split = base is not None and base[1].get("split") == db.get("split")
+                    ref = _loss(base[1], kind, b) if same_split else None
                     row[f"nll_{b}"] = mine
                     row[f"diff_{b}"] = mine - ref if mine is not None and ref is not None else None
                 rows.append(row)
