@@ -191,12 +191,39 @@ class ConvertAppSpec:
     data: DataSpec | None = None  # the data group (data=ptb ...), stored in the checkpoint's config
 
 
+@dataclass(frozen=True)
+class ReclAppSpec:
+    """Root of ``crtn-recl``'s config (``conf/recl.yaml``): the relative effective context length
+    of a group of checkpoints (Dai et al. 2019, section 4.3; :mod:`crtn.analysis.recl`).
+    ``cache.*``/``data.*`` given on the command line apply to every checkpoint, as in crtn-eval."""
+
+    checkpoints: list[str] = MISSING  # the model group, evaluated on the corpus of the first
+    names: list[str] | None = None  # one per checkpoint; None: each checkpoint's model.name
+    split: str = "valid"
+    # contexts c = c0, c0 + delta, ..., c_max: memory mem_len = c (no cache), n_slot = (c - m) / L
+    # (cache); c0 None: the smallest multiple of delta that is >= every cached model's mem_len
+    c0: int | None = None
+    delta: int = MISSING
+    c_max: int = MISSING
+    ratios: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # r, fraction of hardest tokens
+    threshold: float = 0.01
+    max_tokens: int = 10_000  # tokens scored (the same for every model), max_tokens // batch_size per stream
+    batch_size: int | None = None  # streams; None: the first checkpoint's data.eval_batch_size
+    # each query attends exactly mem_len positions (itself included), as Transformer-XL's RECL
+    same_length: bool = True
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    device: str = "cpu"
+    progress: bool = True
+
+
 #: The schema of each Hydra app, by primary config name (``conf/NAME.yaml`` starts from ``NAME_schema``).
 APP_SCHEMAS: dict[str, type] = {
     "train": RunSpec,
     "eval": EvalAppSpec,
     "generate": GenerateAppSpec,
     "convert": ConvertAppSpec,
+    "recl": ReclAppSpec,
 }
 
 
@@ -222,7 +249,7 @@ def _writable(node: Any) -> None:
 
 def register_configs() -> None:
     """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
-    ``convert_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
+    ``convert_schema``, ``recl_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()

@@ -7,8 +7,9 @@ returns JSON-ready metrics:
 - ``loss``: mean NLL in nats per target token; ``ppl = exp(loss)`` for word-level
   corpora, ``bpc = loss / ln 2`` for character-level ones;
 - what :mod:`crtn.measures` measures besides: repeat and fresh tokens of the passage-recall
-  corpus, the answers of MQAR, perplexity by word frequency, and for crtn ``retrieval`` (the
-  histogram of selected-segment distances and the weights alpha).
+  corpus, the answers of MQAR, perplexity by word frequency, loss by the distance to the previous
+  occurrence of the target (``distance_buckets``, :mod:`crtn.analysis.distance`), and for crtn
+  ``retrieval`` (the histogram of selected-segment distances and the weights alpha).
 
 ``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
 overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...): they
@@ -118,7 +119,7 @@ def evaluate(
     result.update(tgt_len=model.tgt_len, mem_len=model.mem_len)
     if model.has_cache:
         result.update(n_slot=model.n_slot, top_k=model.top_k)
-    result.update(measures.metrics(count))
+    result.update(measures.metrics(model, count))
     return result
 
 

@@ -8,6 +8,8 @@
   accuracy on the answers, by gap, and where each answer's stored value lay;
 - :class:`FreqBuckets`: perplexity by the target word's training frequency (the CRTN paper's
   analysis; word-level corpora);
+- :class:`crtn.analysis.distance.DistanceBuckets`: loss by the distance back to the previous
+  occurrence of the target (and of the longest n-gram ending at it) in its stream (every corpus);
 - retrieval statistics of models with a cache (:class:`crtn.model.RetrievalStats`).
 
 :class:`Measures` holds the ones that apply to a corpus and model; :func:`crtn.evaluate.evaluate`
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from crtn.analysis.distance import DistanceBuckets
 from crtn.data.synthetic import copy_roots
 from crtn.model import RetrievalStats, TransformerLM
 
@@ -53,12 +56,14 @@ class Measures:
             self.recall = RecallSums(corpus, split, it, device)
         self.stats = RetrievalStats()
         self.buckets = FreqBuckets(corpus, device) if FreqBuckets.applies(corpus) else None
+        self.distance = DistanceBuckets(corpus, split, it, device)
         self.tokens: tuple[list, list] | None = ([], []) if per_token else None
 
     def add(self, model: TransformerLM, batch: Any, out: Any, state: Any) -> None:
         """Account one segment: ``batch`` (on the device), the model's output and its new state."""
         if self.buckets is not None:
             self.buckets.add(batch, out)
+        self.distance.add(batch.index, out.nll)
         if self.tokens is not None:
             self.tokens[0].append(out.nll.float().cpu())
             self.tokens[1].append(batch.target.cpu())
@@ -67,9 +72,10 @@ class Measures:
         if self.recall is not None:
             self.recall.add(model, batch, out, state)
 
-    def metrics(self, count: int) -> dict[str, Any]:
-        """The measures' entries of the result: ``retrieval``, ``repeat``/``fresh``,
-        ``freq_buckets``, ``nll_tokens``/``target_tokens`` (where they apply)."""
+    def metrics(self, model: TransformerLM, count: int) -> dict[str, Any]:
+        """The measures' entries of the result: ``retrieval``, ``repeat``/``fresh`` or
+        ``answers``, ``freq_buckets``, ``distance_buckets`` (the buckets beyond ``model``'s reach
+        marked), ``nll_tokens``/``target_tokens`` (where they apply)."""
         result: dict[str, Any] = {}
         if self.retrieves:
             result["retrieval"] = self.stats.summary()
@@ -77,6 +83,8 @@ class Measures:
             result.update(self.recall.metrics(self.corpus, self.split))
         if self.buckets is not None and count > 0:
             result["freq_buckets"] = freq_bucket_ppl(self.buckets.sums)
+        if count > 0:
+            result["distance_buckets"] = self.distance.summary(model, self.corpus, self.split)
         if self.tokens is not None:
             nll, target = self.tokens
             result["nll_tokens"] = torch.cat(nll, 1) if nll else torch.empty(0)

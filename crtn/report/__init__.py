@@ -33,6 +33,9 @@ Files written (each only when there is something to show):
 - ``freq_buckets.png``: word-level jobs, test perplexity per training-frequency bucket.
 - ``recall.png``: synthetic corpus, perplexity and accuracy on repeat vs fresh tokens.
 - ``cache_extension.png``: eval sweeps, metric against eval-time ``n_slot``.
+- ``distance_nll_<corpus>.png`` and ``distance_nll.csv`` (a table in ``report.md`` too): loss by
+  distance to the previous occurrence of the target, per job, against the corpus's ``txl`` job
+  (:mod:`crtn.report.distance`).
 
 Lines and bars keep one colour per job in every plot and are labelled by the job number and
 the overrides that differ between jobs. Errors: a missing directory, one without job

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.errors import UserError
+from crtn.report.distance import distance_markdown, distance_plots, distance_table
 from crtn.report.jobs import METRIC_LABEL, Job, common_overrides, load_jobs, short
 from crtn.report.plots import (
     colors_of,
@@ -70,6 +71,10 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
         write_csv(out_dir / "cache_extension.csv", cols, rows)
         written["cache_extension.csv"] = out_dir / "cache_extension.csv"
         sections.append(("eval", cols, rows))
+    cols, rows, _ = distance_table(jobs)
+    if rows:
+        write_csv(out_dir / "distance_nll.csv", cols, rows)
+        written["distance_nll.csv"] = out_dir / "distance_nll.csv"
 
     pngs: list[str] = []
     if plots:
@@ -81,6 +86,7 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
             ("freq_buckets.png", lambda p: plot_freq_buckets(jobs, p, title, colors)),
             ("recall.png", lambda p: plot_recall(jobs, p, title)),
             ("cache_extension.png", lambda p: plot_cache_extension(evals, p, title)),
+            *distance_plots(jobs, title, colors),
         ]
         for name, make in makers:
             try:
@@ -112,6 +118,14 @@ _PLOT_TEXT = {
     "recall.png": "Synthetic corpus: copied-passage (repeat) vs fresh tokens; black ticks: the Markov source.",
     "cache_extension.png": "Eval-time cache extension: the same checkpoint evaluated with more cache slots.",
 }
+_DISTANCE_TEXT = (
+    "Mean NLL by distance to the previous occurrence of the target in its stream (symbol, longest n-gram); "
+    "dashed: each job's reach m + N·L + L, dotted: n_layer·m + L (models without a cache)."
+)
+
+
+def _plot_text(name: str) -> str:
+    return _DISTANCE_TEXT if name.startswith("distance_nll_") else _PLOT_TEXT[name]
 
 
 def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> str:
@@ -149,8 +163,9 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
         if common and len(group) > 1:
             lines += ["", "Overrides common to all jobs: `" + " ".join(common) + "`"]
         lines.append("")
+    lines += distance_markdown(jobs)
     for name in pngs:
-        lines += [f"![{name}]({name})", "", _PLOT_TEXT[name], ""]
+        lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)
 
 
@@ -232,7 +247,7 @@ def _tables_only(md: str) -> str:
             skip = True
             continue
         if skip:
-            skip = line.strip() == "" or line in _PLOT_TEXT.values()
+            skip = line.strip() == "" or line in _PLOT_TEXT.values() or line == _DISTANCE_TEXT
             if skip:
                 continue
         out.append(line)
