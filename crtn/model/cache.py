@@ -363,7 +363,6 @@ class SegmentCache:
         nv = self.n_valid
         if nv == 0:
             raise ValueError("select() on an empty cache")
-        assert self.pos is not None and self.usage is not None
         k = min(top_k, nv)
         if self.backend == "faiss":
             assert self._faiss is not None and query is not None
@@ -375,6 +374,7 @@ class SegmentCache:
             keys = self.valid_keys()
             picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
             alpha = torch.softmax(_scaled(self.summary.score_selected(query, picked), theta), -1)
+            self.select_seconds += time.perf_counter() - t_start
         else:
             keys = self.valid_keys()
             if score_fn is not None:
@@ -383,24 +383,48 @@ class SegmentCache:
                 scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.lead_rows))
             else:
                 scores = self.summary.score(query, keys)
-            B, L = scores.shape[:2]
-            scores = _scaled(scores, theta)
-            top_s, slot = scores.topk(k, dim=-1)
-            if alpha_norm == "all":
-                alpha = torch.softmax(scores, -1).gather(-1, slot)
-            elif alpha_norm == "original":
-                alpha = k * torch.softmax(torch.softmax(scores, -1).gather(-1, slot), -1)
-            else:
-                alpha = torch.softmax(top_s, -1)
-        pos = self.pos.gather(1, slot.reshape(B, -1)).view(B, L, k)
+            self.select_seconds += time.perf_counter() - t_start
+            return self.choose(_scaled(scores, theta), top_k=top_k, alpha_norm=alpha_norm, t0=t0, count=count)
+        return self._chosen(slot, alpha, t0=t0, count=count)
+
+    def choose(
+        self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int, count: bool = True
+    ) -> Selection:
+        """Top-k slots and their weights from given scores (docs/method.md §3 step 2).
+
+        Args:
+            scores: [B, ..., n_valid] (theta-scaled) scores of the filled slots: [B, L] tokens for
+                a query strategy, [B, L, G] tokens and head groups for selection inside attention.
+            top_k, alpha_norm, t0, count: as in :meth:`select`.
+
+        Returns:
+            a :class:`Selection` whose tensors have the scores' leading shape and k last.
+        """
+        t_start = time.perf_counter()
+        k = min(top_k, scores.shape[-1])
+        top_s, slot = scores.topk(k, dim=-1)
+        if alpha_norm == "all":
+            alpha = torch.softmax(scores, -1).gather(-1, slot)
+        elif alpha_norm == "original":
+            alpha = k * torch.softmax(torch.softmax(scores, -1).gather(-1, slot), -1)
+        else:
+            alpha = torch.softmax(top_s, -1)
+        self.select_seconds += time.perf_counter() - t_start
+        return self._chosen(slot, alpha, t0=t0, count=count)
+
+    def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int, count: bool) -> Selection:
+        """The selection of ``slot`` [B, ..., k] with weights ``alpha``: ordered by stream position
+        (oldest first), counted in ``usage``/``scored`` when ``count``."""
+        assert self.pos is not None and self.usage is not None and self.scored is not None
+        B = slot.shape[0]
+        pos = self.pos.gather(1, slot.reshape(B, -1)).view(slot.shape)
         order = pos.argsort(-1)
         slot, pos, alpha = slot.gather(-1, order), pos.gather(-1, order), alpha.gather(-1, order)
         if count:
             self.usage.scatter_add_(1, slot.reshape(B, -1), torch.ones_like(slot).reshape(B, -1))
-            assert self.scored is not None
-            self.scored[:, :nv] += L
-        flat = slot + (torch.arange(B, device=slot.device) * self.n_slot)[:, None, None]
-        self.select_seconds += time.perf_counter() - t_start
+            self.scored[:, : self.n_valid] += slot[0, ..., 0].numel()  # scorings per slot: tokens (x groups)
+        rows = torch.arange(B, device=slot.device) * self.n_slot
+        flat = slot + rows.view(B, *[1] * (slot.dim() - 1))
         return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
 
     # ------------------------------------------------------------ persistence
