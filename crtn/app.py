@@ -1,6 +1,6 @@
 """Plumbing shared by the command-line apps (``crtn-train``, ``crtn-eval``, ``crtn-generate``,
-``crtn-convert``): the device, one-line user errors, the run's ``status.json``, the check of a
-composed config against its schema, and the Hydra entry point that ties them together.
+``crtn-convert``, ``crtn-bench``): the device, one-line user errors, the run's ``status.json``, the
+check of a composed config against its schema, and the Hydra entry point that ties them together.
 
     def main() -> None:
         run_app("crtn-eval", "eval", run_eval, record_status=True)

@@ -217,6 +217,96 @@ class ReclAppSpec:
     progress: bool = True
 
 
+# ================================================================== crtn-bench
+def _table_rows() -> dict[str, list[str]]:
+    """The cost table's default rows: txl, the CRTN authors' model and the default CRTN, each CRTN
+    also with retrieval in the top 2 layers and in the top layer only (``cache.layers``)."""
+    rows: dict[str, list[str]] = {"txl": ["model=txl"]}
+    for name, option in (("crtn_original", "model=crtn_original"), ("default", "model=crtn")):
+        rows[name] = [option]
+        for layers in (2, 1):
+            rows[f"{name}_layers{layers}"] = [option, f"cache.layers={layers}"]
+    return rows
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """``crtn-bench``'s settings (the ``bench`` node of ``conf/bench.yaml``): what to run, how to
+    time it, and the standard sizes of every section but ``config`` (which times the model that
+    ``model``/``cache``/``query``/``summary`` compose, at its own sizes). docs/results.md,
+    "Performance"."""
+
+    # config | table | strategies | range | scaling | retrieval (crtn/bench/__init__.py); run in that order
+    sections: list[str] = field(default_factory=lambda: ["config", "table"])
+    rounds: int = 7  # timed steps per configuration, alternating; the median is reported
+    warmup: int = 2  # untimed steps per configuration once its memory and cache are full
+    batch: int = 16
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    amp: bool = False  # bf16 autocast (CUDA)
+    memory: bool = True  # peak step memory (on CPU through the profiler: slow)
+    # the sizes of BENCH_SMOKE (seconds); bench.* keys given on the command line still apply
+    smoke: bool = False
+    out: str | None = None  # folder of bench.json and bench.md; None: the Hydra run folder
+    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))  # the strategies section's
+    # the table's rows: name -> crtn-train command-line overrides (model=..., query=..., cache.x=...)
+    # applied over the standard sizes below (a row may override them too)
+    rows: dict[str, list[str]] = field(default_factory=_table_rows)
+    reference: str = "txl"  # the table row every ratio is taken against (a Transformer-XL row)
+    # the standard sizes
+    vocab: int = 256
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 4
+    d_head: int = 64
+    d_inner: int = 1024
+    tgt_len: int = 64  # and mem_len
+    n_slot: int = 32
+    top_k: int = 2
+    n_slot_large: int = 1024  # the N-scaling target: step at n_slot_large / step at n_slot
+    slots_scaling: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])  # the scaling section's
+    keys_retrieval: list[int] = field(default_factory=lambda: [1_000, 10_000, 100_000])  # keys per row
+    eval_slots: int = 10_000  # n_slot of the faiss evaluation step (retrieval section)
+
+    def __post_init__(self) -> None:
+        for key in ("sections", "strategies", "slots_scaling", "keys_retrieval"):
+            object.__setattr__(self, key, tuple(getattr(self, key)))
+        object.__setattr__(self, "rows", {k: tuple(v) for k, v in self.rows.items()})
+
+
+#: ``bench.smoke=true``: these values replace the standard sizes and the timing settings (no peak
+#: memory: the CPU profiler would take most of the time)
+BENCH_SMOKE: dict[str, Any] = {
+    "vocab": 64,
+    "n_layer": 2,
+    "d_model": 32,
+    "n_head": 2,
+    "d_head": 16,
+    "d_inner": 64,
+    "tgt_len": 8,
+    "batch": 2,
+    "n_slot": 8,
+    "n_slot_large": 80,  # above crtn.bench.cases.REAL_FILL_SLOTS: the random fill runs too
+    "slots_scaling": [4, 16],
+    "keys_retrieval": [100, 1000],
+    "eval_slots": 200,
+    "rounds": 3,
+    "warmup": 1,
+    "memory": False,
+}
+
+
+@dataclass(frozen=True)
+class BenchAppSpec:
+    """Root of ``crtn-bench``'s config (``conf/bench.yaml``): the model groups of ``crtn-train``
+    (the model the ``config`` section times) and ``bench.*``."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    query: QuerySpec = field(default_factory=QuerySpec)
+    summary: SummarySpec = field(default_factory=SummarySpec)
+    bench: BenchSpec = field(default_factory=BenchSpec)
+
+
 #: The schema of each Hydra app, by primary config name (``conf/NAME.yaml`` starts from ``NAME_schema``).
 APP_SCHEMAS: dict[str, type] = {
     "train": RunSpec,
@@ -224,6 +314,7 @@ APP_SCHEMAS: dict[str, type] = {
     "generate": GenerateAppSpec,
     "convert": ConvertAppSpec,
     "recl": ReclAppSpec,
+    "bench": BenchAppSpec,
 }
 
 
@@ -249,7 +340,7 @@ def _writable(node: Any) -> None:
 
 def register_configs() -> None:
     """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
-    ``convert_schema``, ``recl_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
+    ``convert_schema``, ``recl_schema``, ``bench_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()

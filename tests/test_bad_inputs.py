@@ -139,6 +139,7 @@ PTB = ["data=ptb", "data.root={w}/data/ok", "data.batch_size=2", "data.eval_batc
 SYN = "{w}/ckpt/syn/checkpoints/last.pt"
 PTB_CKPT = "{w}/ckpt/ptb/checkpoints/last.pt"
 EV = ["hydra.run.dir={out}/ev", "progress=false"]
+B = ["bench.smoke=true", "bench.sections=[config,table]", "hydra.run.dir={out}/run"]
 
 CASES = [
     # ------------------------------------------------------------------ crtn-train: config
@@ -356,30 +357,45 @@ CASES = [
     Case("report option", "crtn-report", ["{w}/report/empty", "nonsense=1"], ["nonsense"]),
     Case("report option type", "crtn-report", ["{w}/report/half", "plots=maybe"], ["plots"]),
     # ------------------------------------------------------------------ crtn-bench
-    Case("bench section", "crtn-bench", ["--smoke", "--only", "nope", "--out", "{out}/b"], ["'nope'"]),
-    Case("bench strategy", "crtn-bench", ["--smoke", "--strategies", "nope", "--out", "{out}/b"], ["'nope'"]),
-    Case("bench batch 0", "crtn-bench", ["--smoke", "--batch", "0", "--out", "{out}/b"], ["--batch", "0"]),
+    Case("bench section", "crtn-bench", [*B, "bench.sections=[config,nope]"], ["bench.sections='nope'"]),
+    Case("bench no section", "crtn-bench", [*B, "bench.sections=[]"], ["bench.sections"]),
+    Case("bench strategy", "crtn-bench", [*B, "bench.strategies=[nope]"], ["bench.strategies='nope'"]),
+    Case("bench batch 0", "crtn-bench", [*B, "bench.batch=0"], ["bench.batch=0"]),
+    Case("bench batch type", "crtn-bench", [*B, "bench.batch=abc"], ["bench.batch", "abc"]),
+    Case("bench rounds", "crtn-bench", [*B, "bench.rounds=-1"], ["bench.rounds=-1"]),
+    Case("bench device", "crtn-bench", [*B, "bench.device=cuda"], ["bench.device='cuda'"]),
+    Case("bench device name", "crtn-bench", [*B, "bench.device=tpu9"], ["bench.device='tpu9'"]),
+    Case("bench out a file", "crtn-bench", [*B, "bench.out={w}/file"], ["bench.out", "{w}/file"]),
+    Case("bench unknown key", "crtn-bench", [*B, "bench.nonsense=1"], ["bench.nonsense"]),
+    Case("bench unknown key with +", "crtn-bench", [*B, "+bench.nonsense=1"], ["bench.nonsense"]),
+    Case("bench model", "crtn-bench", [*B, "model.tgt_len=0"], ["model.tgt_len=0"]),
+    Case("bench pairing", "crtn-bench", [*B, "query=token", "summary=identity"], ["identity"]),
+    Case("bench data group", "crtn-bench", [*B, "data=ptb"], ["data"]),
+    Case("bench reference", "crtn-bench", [*B, "bench.reference=nope"], ["bench.reference='nope'"]),
     Case(
-        "bench batch type",
+        "bench row option",
         "crtn-bench",
-        ["--smoke", "--batch", "abc", "--out", "{out}/b"],
-        ["--batch", "'abc'"],
-    ),
-    Case("bench rounds", "crtn-bench", ["--smoke", "--rounds", "-1", "--out", "{out}/b"], ["--rounds", "-1"]),
-    Case(
-        "bench device",
-        "crtn-bench",
-        ["--smoke", "--device", "cuda", "--out", "{out}/b"],
-        ["--device", "cuda"],
+        [*B, "+bench.rows.bad=['model=nope']"],
+        ["bench.rows.bad", "model/nope"],
     ),
     Case(
-        "bench device name",
+        "bench row key",
         "crtn-bench",
-        ["--smoke", "--device", "tpu9", "--out", "{out}/b"],
-        ["--device", "tpu9"],
+        [*B, "+bench.rows.bad=['cache.nonsense=1']"],
+        ["bench.rows.bad", "nonsense"],
     ),
-    Case("bench out a file", "crtn-bench", ["--smoke", "--out", "{w}/file"], ["{w}/file"]),
-    Case("bench unknown flag", "crtn-bench", ["--smoke", "--nonsense"], ["--nonsense"]),
+    Case(
+        "bench row value",
+        "crtn-bench",
+        [*B, "+bench.rows.bad=['cache.theta=0']"],
+        ["bench.rows.bad", "cache.theta=0"],
+    ),
+    Case(
+        "bench row group",
+        "crtn-bench",
+        [*B, "+bench.rows.bad=['bench.batch=2']"],
+        ["bench.rows.bad", "bench.batch=2"],
+    ),
 ]
 
 

@@ -9,10 +9,11 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from crtn.bench import Sizes, model_cfg, size_overrides
+from crtn.bench.cases import model_cfg, size_overrides
 from crtn.config import (
     APP_SCHEMAS,
     STRATEGIES,
+    BenchSpec,
     RunSpec,
     default_summary,
     register_configs,
@@ -76,8 +77,8 @@ def test_tests_and_benchmark_build_on_the_schema():
         return {k for k, v in values.items() if v != schema[k]}
 
     assert changed(tiny_cfg()) <= set(TINY) | set(TEST_DEFAULTS)
-    sizes = Sizes()
-    given = {**size_overrides(sizes, "crtn", 64), "query.strategy": "last_l"}
+    sizes = BenchSpec()
+    given = {**size_overrides(sizes, 64), "model.name": "crtn", "query.strategy": "last_l"}
     assert changed(model_cfg(sizes, "crtn", 64, **{"query.strategy": "last_l"})) <= set(given)
 
 

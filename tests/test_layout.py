@@ -13,11 +13,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "crtn"
 #: Imported where they are used: optional, or slow to import and needed only by one feature.
 OPTIONAL = ("faiss", "matplotlib", "tensorboard", "torch.utils.tensorboard", "submitit")
-#: Allowed exceptions, with the reason.
-NESTED_IMPORT_OK = {
-    # the naive reference lives in tests/ (not installed): present only in a source checkout
-    ("crtn/bench/sections.py", "tests.reference"),
-}
+#: Allowed exceptions (file, module), with the reason; none at present.
+NESTED_IMPORT_OK: set[tuple[str, str]] = set()
 #: Calls whose extra arguments are a format's values or a tensor's sizes, not parameters, and
 #: autograd.Function.apply, which takes its inputs positionally.
 VARARGS_CALLS = {"info", "warning", "error", "debug", "exception", "critical"} | {

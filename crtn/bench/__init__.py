@@ -1,254 +1,208 @@
-"""``crtn-bench``: side-by-side speed and memory of CRTN and Transformer-XL (SPEC §3, CRTN paper table 1).
+"""``crtn-bench``: the speed and memory of the model ``crtn-train`` would build, against
+Transformer-XL, and the cost table (docs/method.md §3; docs/results.md, "Performance").
 
-    crtn-bench                      # full benchmark for this machine (CPU, ~10 minutes)
-    crtn-bench --device cuda        # the same on a GPU (larger batch, bf16 autocast option)
-    crtn-bench --smoke              # tiny sizes, a few seconds, still prints every ratio
-    crtn-bench --only scaling,retrieval
-    crtn-bench --strategies token,last_l,middle_l,linear   # without the slow fixed_length ones
+A Hydra app with ``crtn-train``'s model groups (``model``, ``cache``, ``query``, ``summary``,
+composed by ``conf/bench.yaml`` exactly as ``conf/train.yaml`` composes them) and the settings
+``bench.*`` (:class:`crtn.config.BenchSpec`: every default is there)::
 
-Method: all configurations of a comparison live in one process; each is first run until
-its memory and cache are full (steady state, not the first steps of a run); then the
-configurations are timed in alternation, one step each per round, and the median over
-rounds is reported, so that drifting machine load affects them alike. Ratios are taken
-between configurations of the same comparison. Peak memory is the largest amount of
-tensor memory alive during one step (the CUDA allocator's peak on GPU; the profiler's
-allocation trace on CPU), plus the size of the step's persistent state.
+    crtn-bench                                        # config and table sections (CPU: long)
+    crtn-bench bench.smoke=true                       # tiny sizes, seconds, every ratio printed
+    crtn-bench bench.sections=[config] model=crtn query=last_l summary=mean cache.layers=2
+    crtn-bench bench.sections=[table] bench.device=cuda bench.batch=64 bench.amp=true
+    crtn-bench bench.sections=[strategies,range] bench.strategies=[token,last_l]
+    crtn-bench "+bench.rows.last_l_mean=['query=last_l','summary=mean']" bench.sections=[table]
 
-Sections (default sizes: synthetic data with vocabulary 256, n_layer 4, d_model 256,
-n_head 4, d_inner 1024, tgt_len 64, batch 16):
+Sections (``bench.sections``; they run in this order):
 
-1. ``strategies``: txl(mem_len=64) against crtn(mem_len=64, n_slot=32, top_k=2) for each
-   query strategy with its default summary (``token``: ``token_max``, the default model),
-   plus ``token`` with ``last_state`` keys and the default with ``cache.layers=1``
-   (training and evaluation tokens/s; each row says what it measures);
-2. ``range``: crtn(n_slot=32) against txl with the same dependency range
-   (mem_len = 64 + 32*64 = 2112);
-3. ``scaling``: crtn training step time as n_slot grows (16, 64, 256, 1024), for the
-   ``token`` query with ``last_state`` keys (not the default ``token_max``, whose scoring
-   grows as B L N L d) and for ``last_l`` with ``identity`` keys;
-4. ``retrieval``: top-k retrieval alone, torch against faiss (flat and HNSW), for 10^3,
-   10^4 and 10^5 keys per row; and an evaluation step (batch 1) with the faiss backend
-   and 10^4 slots, with the share of its time spent in retrieval;
-5. ``main_pass``: the efficient main pass against the naive per-token reference of the
-   tests (speed and peak memory).
+- ``config``: the composed model (sizes of its ``model.*``, batch ``bench.batch``, vocabulary
+  ``bench.vocab``) against Transformer-XL of the same sizes, ``tgt_len`` and ``mem_len``
+  (training step time, peak step memory, tokens/s; evaluation step time) and, for a model with a
+  cache, against Transformer-XL whose memory covers the same range, m + N L (tokens/s);
+- ``table``: the rows of ``bench.rows`` (Hydra-composed ``crtn-train`` overrides; by default
+  txl, the CRTN authors' model ``model=crtn_original`` and the default ``model=crtn``, each CRTN
+  also with ``cache.layers=2`` and ``cache.layers=1``) at the standard sizes, against the row
+  ``bench.reference``: training step, peak step memory, tokens/s against txl of the same range,
+  step at ``n_slot_large`` over step at ``n_slot``, evaluation step;
+- ``strategies``: txl(mem_len=L) against crtn for each query strategy of ``bench.strategies``
+  with its default summary, plus ``token`` with ``last_state`` keys and the default with
+  ``cache.layers=1`` (training and evaluation);
+- ``range``: crtn(n_slot=N), token and last_l, against txl with the same dependency range;
+- ``scaling``: crtn training step time as n_slot grows (``bench.slots_scaling``) for the
+  ``token`` query with ``last_state`` keys and for ``last_l`` with ``identity`` keys;
+- ``retrieval``: top-k retrieval alone, torch against faiss (flat and HNSW), for
+  ``bench.keys_retrieval`` keys per row; and an evaluation step (batch 1) with the faiss backend
+  and ``bench.eval_slots`` slots, with the share of its time spent in retrieval.
 
-Writes ``bench.json`` and ``bench.md`` into ``--out`` and prints the tables.
+The standard sizes (every section but ``config``): vocabulary 256, n_layer 4, d_model 256,
+n_head 4, d_inner 1024, tgt_len = mem_len = 64, batch 16, n_slot 32, top_k 2.
+
+Method: all configurations of a comparison live in one process; each is first run until its
+memory and cache are full (steady state; slots beyond the first 64 are filled with random
+states, which costs the same), then the configurations are timed in alternation, one step each
+per round, and the median over ``bench.rounds`` rounds is reported, so that drifting machine
+load affects them alike. A training step is forward, backward, gradient clipping and an Adam
+step. Peak memory is the largest amount of tensor memory alive during one step beyond what was
+alive before it (``torch.cuda.max_memory_allocated`` on a GPU; the profiler's allocation trace
+on the CPU); the persistent state (parameters, optimiser moments, memory, cache) is reported
+apart. The targets (:mod:`crtn.bench.report`) are evaluated for every configuration with a
+cache.
+
+Writes ``bench.json`` (every measurement, and the resolved spec of every configuration) and
+``bench.md`` into ``bench.out`` (default: the Hydra run folder) and prints the tables.
+``python tools/bench_main_pass.py`` times the efficient main pass against the tests' naive
+per-token reference.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
+import logging
 import platform
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
-from crtn.bench.cases import SMOKE, Case, Sizes, Stepper, model_cfg, size_overrides
-from crtn.bench.sections import SCALING_PAIRS, SECTIONS
-from crtn.config import STRATEGIES
-from crtn.utils import atomic_write_text, tune_allocator
+from crtn.app import given_keys, resolve_device, run_app
+from crtn.bench.cases import Bench, Row, Stepper
+from crtn.bench.compare import ROW_GROUPS, bench_config, bench_table, compose_rows
+from crtn.bench.report import check_targets, markdown
+from crtn.bench.sections import bench_range, bench_retrieval, bench_scaling, bench_strategies
+from crtn.config import BENCH_SMOKE, STRATEGIES, BenchSpec
+from crtn.errors import ConfigError, check_choice
+from crtn.model import resolve_spec
+from crtn.utils import atomic_write_text
 
 __all__ = [
     "SECTIONS",
-    "SMOKE",
-    "Case",
-    "Sizes",
+    "Bench",
+    "Row",
     "check_targets",
     "main",
     "markdown",
-    "model_cfg",
+    "resolve_bench",
     "run",
-    "size_overrides",
+    "run_bench",
 ]
 
+log = logging.getLogger("crtn-bench")
 
-def markdown(res: dict[str, Any]) -> str:
-    """The benchmark's tables as Markdown."""
-    lines = [f"# crtn-bench ({res['device']}, {res['time']})", "", f"sizes: `{res['sizes']}`", ""]
+#: every section, in the order they run
+SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
+    "config": bench_config,
+    "table": bench_table,
+    "strategies": bench_strategies,
+    "range": bench_range,
+    "scaling": bench_scaling,
+    "retrieval": bench_retrieval,
+}
 
-    def table(rows: list[dict], cols: list[str]) -> None:
-        lines.append("| " + " | ".join(cols) + " |")
-        lines.append("|" + "---|" * len(cols))
-        for r in rows:
-            cells = []
-            for c in cols:
-                v = r.get(c)
-                cells.append(f"{v:,.3g}" if isinstance(v, float) else str(v if v is not None else ""))
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-
-    cols = ["config", "step_ms", "tokens_per_s", "time_ratio_vs_ref", "peak_step_mb", "state_mb", "measures"]
-    if "strategies" in res:
-        for mode in ("train", "eval"):
-            lines.append(f"## 1. Strategies vs txl ({mode}; ratio = step time / txl's)")
-            table(res["strategies"][mode], cols)
-    if "range" in res:
-        lines.append(f"## 2. Same dependency range ({res['range']['range_tokens']} tokens)")
-        table(res["range"]["rows"], [*cols, "speedup_vs_txl_same_range"])
-    if "scaling" in res:
-        for key, rows in res["scaling"].items():
-            lines.append(f"## 3. Step time vs n_slot ({key}; ratio vs the smallest)")
-            table(rows, cols[:4])
-    if "retrieval" in res:
-        lines.append("## 4. Retrieval alone (batch 1, one segment of queries)")
-        table(res["retrieval"]["rows"], ["keys", "backend", "ms", "recall_at_k"])
-        ev = res["retrieval"]["eval_faiss"]
-        lines.append(f"Evaluation step, batch 1, faiss, n_slot={ev['n_slot']:,}:")
-        lines.append("")
-        table(
-            [{"cache dtype": k, **v} for k, v in ev.items() if isinstance(v, dict)],
-            ["cache dtype", "step_ms", "retrieval_share", "cache_mb"],
-        )
-    if "main_pass" in res:
-        lines.append("## 5. Efficient main pass vs naive per-token reference")
-        table([res["main_pass"]], list(res["main_pass"]))
-    if res.get("targets"):
-        lines.append("## Targets")
-        table(res["targets"], ["target", "measured", "limit", "met"])
-    return "\n".join(lines)
+_POSITIVE = ("rounds", "batch", "vocab", "n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len")
+_POSITIVE += ("n_slot", "top_k", "n_slot_large", "eval_slots")
 
 
-#: issue 15's limits: crtn(token) step / txl(mem L), crtn tokens/s / txl(same range),
-#: crtn peak step memory / txl's (the release comparison is measured outside the benchmark)
-STEP_LIMIT, RANGE_LIMIT, MEMORY_LIMIT, RETRIEVAL_SHARE_LIMIT = 1.8, 5.0, 1.8, 0.30
+def resolve_bench(s: BenchSpec, given: dict[str, Any] | None = None) -> BenchSpec:
+    """The settings a run uses: with ``smoke``, :data:`crtn.config.BENCH_SMOKE` over the standard
+    sizes, except the keys in ``given`` (those the command line set); every value checked.
+
+    Raises:
+        ConfigError: naming the ``bench.*`` key and value.
+    """
+    if s.smoke:
+        s = replace(s, **{k: v for k, v in BENCH_SMOKE.items() if k not in (given or {})})
+    if not s.sections:
+        raise ConfigError(f"bench.sections is empty; choose from {', '.join(SECTIONS)}")
+    for name in s.sections:
+        check_choice("bench.sections", name, SECTIONS)
+    for name in s.strategies:
+        check_choice("bench.strategies", name, STRATEGIES)
+    for key in _POSITIVE:
+        if getattr(s, key) <= 0:
+            raise ConfigError(f"bench.{key}={getattr(s, key)} must be > 0")
+    if s.warmup < 0:
+        raise ConfigError(f"bench.warmup={s.warmup} must be >= 0")
+    for key in ("slots_scaling", "keys_retrieval"):
+        values = getattr(s, key)
+        if not values or min(values) <= 0:
+            raise ConfigError(f"bench.{key}={list(values)} must be a non-empty list of positive sizes")
+    return s
 
 
-def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 15's targets, evaluated on this run's ratios (the ``token`` rows of the strategies
-    section, every crtn row of the range section), plus the N-scaling and faiss limits."""
-    out = []
+def bench_device(name: str) -> torch.device:
+    """The device of ``bench.device`` (cpu, cuda, cuda:N or auto).
 
-    def add(name: str, measured: float, limit: float, higher_is_better: bool) -> None:
-        met = measured >= limit if higher_is_better else measured <= limit
-        out.append({"target": name, "measured": measured, "limit": limit, "met": bool(met)})
-
-    if "range" in res:
-        for r in res["range"]["rows"][1:]:
-            add(
-                f"{r['config']} tokens/s / txl(same range)", r["speedup_vs_txl_same_range"], RANGE_LIMIT, True
-            )
-    if "scaling" in res:
-        pair = "/".join(SCALING_PAIRS[0])
-        rows = res["scaling"][pair]
-        add(f"{pair} step(n_slot max) / step(n_slot min)", rows[-1]["time_ratio_vs_ref"], 1.25, False)
-    if "strategies" in res:
-        train = res["strategies"]["train"]
-        for r in train[1:]:
-            if not r["config"].startswith("crtn(token/"):
-                continue
-            add(f"{r['config']} train step / txl", r["time_ratio_vs_ref"], STEP_LIMIT, False)
-            if r.get("peak_step_mb") and train[0].get("peak_step_mb"):
-                ratio = r["peak_step_mb"] / train[0]["peak_step_mb"]
-                add(f"{r['config']} peak step memory / txl", ratio, MEMORY_LIMIT, False)
-    if "retrieval" in res:
-        ev = res["retrieval"]["eval_faiss"]
-        add(
-            f"faiss eval (n_slot={ev['n_slot']}) retrieval share",
-            ev["float32"]["retrieval_share"],
-            RETRIEVAL_SHARE_LIMIT,
-            False,
-        )
-    return out
+    Raises:
+        ConfigError: not a device, or CUDA asked for but not available.
+    """
+    try:
+        device = resolve_device(name) if name == "auto" else torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"bench.device={name!r} is not a device (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"bench.device={name!r} but CUDA is not available")
+    return device
 
 
-def run(sizes: Sizes, device: torch.device, only: list[str], amp: bool, log: Callable) -> dict[str, Any]:
-    """Run the chosen sections; returns the JSON-ready results (with ``targets``)."""
+def run(b: Bench) -> dict[str, Any]:
+    """Run the sections of ``b.s.sections`` (in :data:`SECTIONS` order); returns the JSON-ready
+    results, with ``targets`` (:func:`check_targets`)."""
+    device = b.device
     res: dict[str, Any] = {
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "host": platform.node(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "sizes": sizes.__dict__,
-        "amp": amp,
+        "settings": {k: v for k, v in asdict(b.s).items() if k != "rows"},
     }
-    stepper = Stepper(device, amp)
-    for name in only:
-        t = time.perf_counter()
-        res[name] = SECTIONS[name](sizes, device, stepper, log)
-        log(f"{name}: {time.perf_counter() - t:.1f}s")
+    for name, section in SECTIONS.items():
+        if name in b.s.sections:
+            t = time.perf_counter()
+            res[name] = section(b)
+            b.log(f"{name}: {time.perf_counter() - t:.1f}s")
     res["targets"] = check_targets(res)
     return res
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one line ``crtn-bench: error: ...`` (no usage lines), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see crtn-bench --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
+def _command(overrides: list[str]) -> str:
+    """The command line's overrides of the model groups (what the ``config`` section's model is)."""
+    return " ".join(o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0] in ROW_GROUPS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point of ``crtn-bench``."""
-    p = _Parser(prog="crtn-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--smoke", action="store_true", help="tiny sizes: a few seconds, every ratio still printed"
-    )
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--batch", type=int, default=None, help="override the batch size (e.g. 64 on a GPU)")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
-    p.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma-separated sections: {', '.join(SECTIONS)}"
-    )
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per configuration")
-    p.add_argument(
-        "--strategies",
-        default=None,
-        help="comma-separated query strategies of the strategies section (default: all six; "
-        "the fixed_length ones take most of the CPU time)",
-    )
-    p.add_argument("--out", default="bench", help="folder for bench.json and bench.md")
-    a = p.parse_args(argv)
-    tune_allocator()  # as crtn-train does
-    only = [x for x in a.only.split(",") if x]
-    bad = [x for x in only if x not in SECTIONS]
-    if bad:
-        p.error(f"--only: unknown section {bad[0]!r}; choose from {', '.join(SECTIONS)}")
-    for flag, value in (("--batch", a.batch), ("--rounds", a.rounds)):
-        if value is not None and value <= 0:
-            p.error(f"{flag} {value}: must be > 0")
-    try:
-        device = torch.device(a.device)
-    except RuntimeError:
-        p.error(f"--device {a.device}: not a device (cpu, cuda or cuda:N)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: CUDA is not available")
-    out = Path(a.out)
+def run_bench(cfg: Any) -> dict[str, Any]:
+    """The ``crtn-bench`` task: check every setting (and compose the table's rows) before any
+    timing, run the sections, write ``bench.json`` and ``bench.md``, print the tables.
+
+    Raises:
+        ConfigError: a bad ``bench.*`` value, a model the groups cannot build, an output folder
+            that cannot be created.
+    """
+    hc = HydraConfig.get()
+    s = resolve_bench(OmegaConf.to_object(cfg.bench), given_keys(cfg, "bench"))
+    device = bench_device(s.device)
+    model = resolve_spec(cfg) if "config" in s.sections else None
+    rows = compose_rows(s) if "table" in s.sections else ()
+    out = Path(s.out or hc.runtime.output_dir)
     try:  # before minutes of timing, not after
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.error(f"--out {a.out}: cannot be created ({e.strerror or e})")
-    sizes = copy.deepcopy(SMOKE if a.smoke else Sizes())
-    if a.batch:
-        sizes.batch = a.batch
-    if a.rounds:
-        sizes.rounds = a.rounds
-    if a.strategies:
-        chosen = tuple(x for x in a.strategies.split(",") if x)
-        unknown = [x for x in chosen if x not in STRATEGIES]
-        if unknown:
-            p.error(f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
-        sizes.strategies = chosen
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    res = run(sizes, device, only=only, amp=a.amp, log=log)
+        raise ConfigError(f"bench.out={str(out)!r} cannot be created ({e.strerror or e})") from None
+    command = _command(list(hc.overrides.task))
+    b = Bench(s, device, Stepper(device, s.amp), log=log.info, model=model, command=command, rows=rows)
+    res = run(b)
     atomic_write_text(out / "bench.json", json.dumps(res, indent=2))
     md = markdown(res)
     atomic_write_text(out / "bench.md", md + "\n")
-    print(md)
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
-    return 0
+    print(md, flush=True)
+    log.info("wrote %s and %s", out / "bench.json", out / "bench.md")
+    return res
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main() -> None:
+    """Console entry point of ``crtn-bench``."""
+    run_app("crtn-bench", "bench", run_bench)

@@ -1,7 +1,5 @@
 """``python -m crtn.bench``: as ``crtn-bench``."""
 
-import sys
-
 from crtn.bench import main
 
-sys.exit(main())
+main()

@@ -1,4 +1,5 @@
-"""The benchmark's configurations (:class:`Case`), sizes, and how a case is stepped and timed."""
+"""The benchmark's configurations (:class:`Case`), the context every section runs in
+(:class:`Bench`), and how a case is filled, stepped and timed."""
 
 from __future__ import annotations
 
@@ -11,54 +12,40 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from crtn.config import STRATEGIES, train_config, uses_cache
-from crtn.model import TransformerLM, build_model
+from crtn.config import BenchSpec, spec_dict, train_config
+from crtn.model import Spec, TransformerLM, build_model
+
+#: slots filled by real steps before a case's timing; a larger cache gets the rest of its slots
+#: as random states (:func:`fill_cache`: the cost of a step does not depend on what they hold)
+REAL_FILL_SLOTS = 64
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the cost table: its name, its ``crtn-train`` overrides, the resolved spec they
+    compose to (at the standard sizes) and, for a model with a cache, the same spec with
+    ``n_slot = bench.n_slot_large`` (the N-scaling column)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    spec: Spec
+    large: Spec | None = None
 
 
 @dataclass
-class Sizes:
-    """Model and data sizes of a benchmark run."""
+class Bench:
+    """What every section reads: the settings (``bench.*`` with ``bench.smoke`` applied), the device,
+    the stepper, a progress log, the model of the ``config`` section (``model``/``cache``/
+    ``query``/``summary`` as composed, resolved) with the command line that composed it, and the
+    table's rows."""
 
-    vocab: int = 256
-    n_layer: int = 4
-    d_model: int = 256
-    n_head: int = 4
-    d_head: int = 64
-    d_inner: int = 1024
-    tgt_len: int = 64
-    batch: int = 16
-    n_slot: int = 32
-    top_k: int = 2
-    slots_scaling: tuple[int, ...] = (16, 64, 256, 1024)
-    keys_retrieval: tuple[int, ...] = (1_000, 10_000, 100_000)
-    eval_slots: int = 10_000
-    rounds: int = 7
-    warmup: int = 2
-    naive_batch: int = 2
-    naive_len: int = 16
-    strategies: tuple[str, ...] = STRATEGIES
-    memory: bool = True  # measure peak memory (the CPU profiler makes this slow)
-
-
-SMOKE = Sizes(
-    vocab=64,
-    n_layer=2,
-    d_model=32,
-    n_head=2,
-    d_head=16,
-    d_inner=64,
-    tgt_len=8,
-    batch=2,
-    n_slot=8,
-    slots_scaling=(4, 16),
-    keys_retrieval=(100, 1000),
-    eval_slots=200,
-    rounds=3,
-    warmup=1,
-    naive_batch=1,
-    naive_len=4,
-    memory=False,
-)
+    s: BenchSpec
+    device: torch.device
+    stepper: Stepper
+    log: Callable[[str], None]
+    model: Spec | None = None
+    command: str = ""
+    rows: tuple[Row, ...] = ()
 
 
 @dataclass
@@ -75,16 +62,15 @@ class Case:
     static: int | None = None
 
 
-def model_cfg(s: Sizes, name: str, mem_len: int, **kw: Any):
+def model_cfg(s: BenchSpec, name: str, mem_len: int, **kw: Any):
     """A crtn-train config node for a benchmark model: the schema's defaults (as the tests' configs,
-    :func:`crtn.config.train_config`) with :func:`size_overrides` and ``kw`` (dotted keys)."""
-    return train_config({**size_overrides(s, name, mem_len), **kw})
+    :func:`crtn.config.train_config`) with :func:`size_overrides`, ``model.name`` and ``kw`` (dotted keys)."""
+    return train_config({**size_overrides(s, mem_len), "model.name": name, **kw})
 
 
-def size_overrides(s: Sizes, name: str, mem_len: int) -> dict[str, Any]:
-    """The dotted keys a benchmark model sets over the schema: its sizes, and dropout 0."""
+def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
+    """The dotted keys a benchmark model sets over the schema: the standard sizes, and dropout 0."""
     return {
-        "model.name": name,
         "model.n_layer": s.n_layer,
         "model.d_model": s.d_model,
         "model.n_head": s.n_head,
@@ -99,27 +85,36 @@ def size_overrides(s: Sizes, name: str, mem_len: int) -> dict[str, Any]:
 
 
 def make_case(
-    name: str, cfg: Any, s: Sizes, device: torch.device, train: bool = True, batch: int | None = None
+    name: str, spec: Any, s: BenchSpec, device: torch.device, train: bool = True, batch: int | None = None
 ) -> Case:
+    """A case of the model ``spec`` describes (a spec or a config node; built with seed 0) with
+    vocabulary ``s.vocab``, an Adam optimiser when ``train``, and random token streams of ``batch``
+    (default ``s.batch``) rows, long enough to fill its memory and cache and then step on."""
     torch.manual_seed(0)
-    model = build_model(cfg, s.vocab).to(device)
+    model = build_model(spec, s.vocab).to(device)
     model.train(train)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4) if train else None
     b = batch or s.batch
-    n_slot = model.n_slot if model.has_cache else 0
-    n_seg = 4 + (model.mem_len // model.tgt_len) + n_slot  # enough to fill memory and cache
+    n_seg = 4 + (model.mem_len // model.tgt_len) + min(_n_slot(model), REAL_FILL_SLOTS)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, s.vocab, (b, (n_seg + 64) * model.tgt_len + 1), generator=g).to(device)
     return Case(name, model, opt, tokens=tokens)
 
 
+def _n_slot(model: TransformerLM) -> int:
+    return model.n_slot if model.has_cache and model.spec.cache.enabled else 0
+
+
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that host timers see it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class Stepper:
-    """Runs one training (or evaluation) step of a case over the next segment of its streams."""
+    """Runs one training (or evaluation) step of a case over the next segment of its streams:
+    forward, and when the case has an optimiser the mean NLL's backward, clipping at 0.25 and an
+    Adam step (as a training step of ``crtn-train``); ``amp``: bf16 autocast."""
 
     def __init__(self, device: torch.device, amp: bool):
         self.device, self.amp = device, amp
@@ -148,13 +143,16 @@ class Stepper:
         self.pos[case.name] = t + 1
 
     def fill(self, case: Case) -> None:
-        """Run until memory and cache are full (steady state), without timing."""
+        """Run until memory and cache are full (steady state), without timing or training: real
+        steps for the memory and up to :data:`REAL_FILL_SLOTS` slots, random states for the rest."""
         m = case.model
-        steps = m.mem_len // m.tgt_len + (m.n_slot if uses_cache(m) else 0) + 1
+        n_slot = _n_slot(m)
         opt, case.opt = case.opt, None
-        for _ in range(steps):
+        for _ in range(m.mem_len // m.tgt_len + min(n_slot, REAL_FILL_SLOTS) + 1):
             self(case)
         case.opt = opt
+        if n_slot > REAL_FILL_SLOTS:
+            fill_cache(case)
 
 
 class _null:
@@ -163,6 +161,31 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def fill_cache(case: Case) -> None:
+    """Fill every slot of a case's cache with random states at consistent past positions (the
+    stream position moves on by the cache's span, so every slot lies before the memory).
+
+    Timing does not depend on what the states are, and filling N = 10^4 slots with real
+    steps would take longer than the benchmark itself.
+    """
+    cache, model = case.state.cache, case.model
+    cache.commit()
+    n, B, L = cache.n_slot, cache.batch_size, cache.seg_len
+    case.state.pos += n * L
+    cache.values.normal_(generator=torch.Generator(device=cache.values.device).manual_seed(2))
+    t0 = case.state.pos - model.mem_len
+    cache.pos.copy_((t0 - L * (n - torch.arange(n, device=cache.pos.device)))[None].expand(B, n))
+    cache.n_insert = n
+    if cache.kv_fresh is not None:  # no kept projections: re-projected when retrieved
+        cache.kv_fresh.zero_()
+    if cache.keys is not None:
+        top = cache.layer_values(cache.key_layer % cache.values.shape[0])
+        with torch.no_grad():
+            cache.keys.copy_(model.summary.key(top.to(cache.keys.dtype)))
+    if cache.backend == "faiss":
+        cache._rebuild_faiss()
 
 
 def state_bytes(case: Case) -> int:
@@ -177,7 +200,9 @@ def state_bytes(case: Case) -> int:
 
 
 def step_peak(fn: Callable[[], None], device: torch.device) -> int:
-    """Largest tensor memory (bytes) allocated during ``fn()`` beyond what was alive before."""
+    """Largest tensor memory (bytes) allocated during ``fn()`` beyond what was alive before: the CUDA
+    allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU, the profiler's allocation
+    trace on the CPU."""
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated(device)
@@ -195,36 +220,40 @@ def step_peak(fn: Callable[[], None], device: torch.device) -> int:
     return peak
 
 
-def time_cases(
-    cases: list[Case], stepper: Stepper, s: Sizes, device: torch.device, memory: bool = True
-) -> None:
-    """Fill, warm up, then time the cases in alternation (``s.rounds`` rounds)."""
+def time_cases(cases: list[Case], b: Bench, memory: bool = True) -> None:
+    """Fill and warm up every case, then time them in alternation (``rounds`` rounds, one step of
+    each per round, the device synchronised around each step), then measure each one's peak step
+    memory (with ``memory`` and ``bench.memory``) and persistent state."""
     for c in cases:
-        stepper.fill(c)
-        for _ in range(s.warmup):
-            stepper(c)
-    for _ in range(s.rounds):
+        b.stepper.fill(c)
+        for _ in range(b.s.warmup):
+            b.stepper(c)
+    for _ in range(b.s.rounds):
         for c in cases:
-            sync(device)
+            sync(b.device)
             t = time.perf_counter()
-            stepper(c)
-            sync(device)
+            b.stepper(c)
+            sync(b.device)
             c.times.append(time.perf_counter() - t)
     for c in cases:
-        if memory:
-            c.peak = step_peak(lambda c=c: stepper(c), device)
+        if memory and b.s.memory:
+            c.peak = step_peak(lambda c=c: b.stepper(c), b.device)
         c.static = state_bytes(c)
 
 
 def median(c: Case) -> float:
+    """Median step time (seconds)."""
     return statistics.median(c.times)
 
 
 def tokens_per_s(c: Case) -> float:
+    """Tokens stepped per second: batch x tgt_len / median step time."""
     return c.tokens.shape[0] * c.model.tgt_len / median(c)
 
 
 def row(c: Case, ref: Case | None = None) -> dict[str, Any]:
+    """A case's measurements (ms, tokens/s, MB; with ``ref`` its step time / ``ref``'s) and its
+    resolved model spec (``spec``: what was really built)."""
     r = {
         "config": c.name,
         "step_ms": 1000 * median(c),
@@ -234,17 +263,13 @@ def row(c: Case, ref: Case | None = None) -> dict[str, Any]:
     }
     if ref is not None:
         r["time_ratio_vs_ref"] = median(c) / median(ref)
+    r["spec"] = spec_dict(c.model.spec)
     return r
 
 
 def free(cases: list[Case]) -> None:
+    """Drop the cases' models, optimisers, states and streams (and CUDA's cached blocks)."""
     for c in cases:
         c.state = c.model = c.opt = c.tokens = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
