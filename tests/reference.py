@@ -430,7 +430,10 @@ class NaiveCRTN:
                 else:
                     s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
                 s = s * c.theta
-                top = sorted(range(len(st.slots)), key=lambda i: -float(s[i].detach()))[:k]
+                # the k best; equal scores go to the most recent slot
+                top = sorted(range(len(st.slots)), key=lambda i: (-float(s[i].detach()), -st.slots[i].pos))[
+                    :k
+                ]
                 alpha = naive_alpha(s, top, c.alpha_norm)
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
                 retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])

@@ -17,6 +17,7 @@ import torch
 from crtn.config import valid_pairs
 from tests.helpers import tiny_model
 from tests.reference import NaiveCRTN
+from tests.reference_gate import NaiveGate
 
 V = 11
 STEPS = 7
@@ -31,7 +32,8 @@ def run_both(steps: int = STEPS, grad: bool = False, **overrides):
     model = tiny_model(V, **{"model.name": "crtn", **overrides})
     L = model.tgt_len
     tokens = torch.randint(0, V, (2, steps * L + 1))
-    refs = [NaiveCRTN(model) for _ in range(2)]
+    naive = NaiveGate if model.query.in_attention else NaiveCRTN  # selection inside attention
+    refs = [naive(model) for _ in range(2)]
     params = [p for p in model.parameters() if p.requires_grad]
     g_model = [torch.zeros_like(p) for p in params]
     g_ref = [torch.zeros_like(p) for p in params]
@@ -85,7 +87,7 @@ def test_every_pair_matches_naive_reference(strategy, summary, pos, weighted):
             "summary.name": summary,
             "cache.pos": pos,
             "cache.weighted": weighted,
-            "summary.d_key": 5,
+            **_d_key(strategy),
         }
     )
 
@@ -101,9 +103,15 @@ def test_every_pair_has_the_reference_gradients(strategy, summary, pos, weighted
             "summary.name": summary,
             "cache.pos": pos,
             "cache.weighted": weighted,
-            "summary.d_key": 5,
+            **_d_key(strategy),
         },
     )
+
+
+def _d_key(strategy: str) -> dict:
+    """summary.d_key 5 (learned maps where a summary has them), except for query=gate, which scores
+    with each layer's own projections and refuses it."""
+    return {} if strategy == "gate" else {"summary.d_key": 5}
 
 
 # the authors' options (issue 13) and the retrieval options, values and gradients
@@ -181,6 +189,78 @@ NEW_OPTIONS = {
         "cache.pos": "real",
     },
 }
+
+
+#: selection inside attention (query=gate), against tests/reference_gate.py
+GATE = {"query.strategy": "gate"}
+GATE_OPTIONS = {
+    "per_head_mean": {**GATE, "summary.name": "mean", "query.per_head": True},
+    "per_head_token_max_ngram3": {
+        **GATE,
+        "summary.name": "token_max",
+        "query.per_head": True,
+        "summary.ngram": 3,
+    },
+    "shared_token_max_ngram2_real": {
+        **GATE,
+        "summary.name": "token_max",
+        "summary.ngram": 2,
+        "cache.pos": "real",
+    },
+    "per_head_last_state_real_topk": {
+        **GATE,
+        "summary.name": "last_state",
+        "query.per_head": True,
+        "cache.pos": "real",
+        "cache.alpha_norm": "topk",
+    },
+    "original_theta": {**GATE, "summary.name": "mean", "cache.alpha_norm": "original", "cache.theta": 2.5},
+    "unweighted_per_head": {
+        **GATE,
+        "summary.name": "token_max",
+        "cache.weighted": False,
+        "query.per_head": True,
+    },
+    "pre_ln_per_head_mean": {**GATE, "summary.name": "mean", "query.per_head": True, "model.pre_lnorm": True},
+    "pre_ln_token_max_ngram2": {
+        **GATE,
+        "summary.name": "token_max",
+        "summary.ngram": 2,
+        "model.pre_lnorm": True,
+    },
+    "layers_1": {**GATE, "summary.name": "token_max", "cache.layers": 1},
+    "layers_2_of_3_per_head": {
+        **GATE,
+        "summary.name": "mean",
+        "model.n_layer": 3,
+        "cache.layers": 2,
+        "query.per_head": True,
+    },
+    "least_used": {**GATE, "summary.name": "mean", "cache.renew": "least_used", "cache.n_slot": 3},
+    "discard_worst_per_head": {
+        **GATE,
+        "summary.name": "last_state",
+        "cache.renew": "discard_worst",
+        "cache.n_slot": 3,
+        "query.per_head": True,
+    },
+    "mem0_ngram3": {**GATE, "summary.name": "token_max", "summary.ngram": 3, "model.mem_len": 0},
+    "k_gt_n": {**GATE, "summary.name": "mean", "cache.n_slot": 2, "cache.top_k": 3, "model.mem_len": 6},
+    "detach": {**GATE, "summary.name": "token_max", "query.detach": True},
+    "clamp_real_untie": {
+        **GATE,
+        "summary.name": "mean",
+        "cache.pos": "real",
+        "model.clamp_len": 4,
+        "model.untie_r": True,
+    },
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
+@pytest.mark.parametrize("variant", list(GATE_OPTIONS.values()), ids=list(GATE_OPTIONS))
+def test_selection_inside_attention_matches_naive_reference(variant, grad):
+    run_both(steps=8 if not grad else 6, grad=grad, **variant)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])

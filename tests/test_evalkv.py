@@ -40,6 +40,16 @@ CASES = [
     {"model.name": "crtn", "model.n_layer": 3, "cache.layers": 1, "summary.name": "token_max"},
     {"model.name": "crtn", "model.mem_len": 0, "query.strategy": "last_l", "summary.name": "identity"},
     {"model.name": "crtn", "cache.weighted": False, "model.mem_len": 6},
+    # selection inside attention: a selection per layer, shared or per head
+    {"model.name": "crtn", "query.strategy": "gate", "summary.name": "mean"},
+    {"model.name": "crtn", "query.strategy": "gate", "summary.name": "token_max", "query.per_head": True},
+    {
+        "model.name": "crtn",
+        "query.strategy": "gate",
+        "query.per_head": True,
+        "model.pre_lnorm": True,
+        "cache.pos": "real",
+    },
 ]
 
 

@@ -218,11 +218,30 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             attn_vec = torch.matmul(prob, v.transpose(1, 2))  # [B, H, L, dh]
             attn_vec = attn_vec.transpose(1, 2).reshape(B, L, H * dh)
         else:
+            if cache.gate is not None:  # selection inside attention: this layer's own top-k
+                lead = self._lead_queries(mem, rw_q, r_w_bias, n=cache.gate.summary.query_lead_rows)
+                sel = cache.gate.select(self, layer, rw_q, lead)
+                cache = cache.selected(sel)
+                real_pos = None if real_pos is None else real_pos.for_age(cache.age)
             attn_vec = attend_with_cache(
                 self, score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
             )
 
         return self._output(h, attn_vec)
+
+    def _lead_queries(self, mem: Tensor | None, rw_q: Tensor, r_w_bias: Tensor, *, n: int) -> Tensor | None:
+        """q + u of the n positions before the segment (the memory's last n rows; zeros where the
+        memory is shorter, as before a stream's first segment): [B, n, H, d_h], for a gate's
+        n-gram match (``rw_q`` [B, L, H, d_h] the segment's own); None when n is 0."""
+        if n == 0:
+            return None
+        H, dh = self.n_head, self.d_head
+        if mem is None or mem.shape[1] == 0:
+            return rw_q.new_zeros(rw_q.shape[0], n, H, dh)
+        rows = mem[:, max(0, mem.shape[1] - n) :]
+        x = self.layer_norm(rows) if self.pre_lnorm else rows
+        q = F.linear(x, self.qkv_net.weight[: H * dh]).view(*rows.shape[:2], H, dh) + r_w_bias
+        return F.pad(q, (0, 0, 0, 0, n - rows.shape[1], 0))
 
     def _output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
         """Output projection, dropout, residual and (post-LN) LayerNorm: attn_vec [B, L, H d_h] -> [B, L, d]."""

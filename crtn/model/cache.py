@@ -12,7 +12,7 @@ in every row and empty slots are simply never scored.
 
 Selection (SPEC §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots,
 scaled by the temperature theta (``cache.theta``, 1 by default); the k best slots per
-token, re-ordered by stream position (oldest first). With fewer than k valid slots,
+token (equal scores: the most recent slot first), re-ordered by stream position (oldest first). With fewer than k valid slots,
 all valid slots are taken. The weights alpha (``cache.alpha_norm``):
 
 - ``all``: softmax over all valid slots, alpha = softmax(theta s)[top-k] (seed 003:
@@ -161,7 +161,9 @@ class SegmentCache:
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
         self.backend, self.faiss_opts = backend, dict(faiss_opts or {})
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
-        self.keys: Tensor | None = None  # [B, N, d_key]; None when keys are views of the values
+        self.keys: Tensor | None = (
+            None  # [B, N, d_key] (a gate's [B, N, n_ret, d]); None: views of the values
+        )
         self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
         self.usage: Tensor | None = None  # [B, N] tokens that selected the slot since insertion
         self.scored: Tensor | None = None  # [B, N] tokens that scored the slot since insertion
@@ -236,8 +238,9 @@ class SegmentCache:
 
         Args:
             states: [n+1, B, Ls, d] hidden states of the segment at layers 0..n (detached).
-            key: [B, d_key] its key, or None when the summary's key is a view of the
-                top layer (``summary.key_is_view``).
+            key: [B, d_key] its key ([B, n_ret, d] block keys for selection inside attention,
+                ``gate.py``), or None when the summary's key is a view of the top layer
+                (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
             kv: [n_kv, 2, B, H, Ls, d_h] projected keys and values of the states at the retrieving
                 layers (evaluation, :meth:`fresh_kv`), or None (training: the slot has none).
@@ -260,8 +263,8 @@ class SegmentCache:
             self.usage = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
             self.scored = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
             self.newest = torch.zeros(B, dtype=torch.long, device=dev)
-            if not self.summary.key_is_view:
-                self.keys = torch.zeros(B, self.n_slot, self.summary.d_key, dtype=states.dtype, device=dev)
+            if key is not None:  # one key per slot: [B, d_key] (a gate's: [B, n_ret, d])
+                self.keys = torch.zeros(B, self.n_slot, *key.shape[1:], dtype=states.dtype, device=dev)
         assert self.pos is not None and self.usage is not None
         if Ls != self.seg_len:
             raise ValueError(f"segment of {Ls} rows cannot enter a cache of {self.seg_len}-row slots")
@@ -402,7 +405,7 @@ class SegmentCache:
         """
         t_start = time.perf_counter()
         k = min(top_k, scores.shape[-1])
-        top_s, slot = scores.topk(k, dim=-1)
+        top_s, slot = self._top(scores, k)
         if alpha_norm == "all":
             alpha = torch.softmax(scores, -1).gather(-1, slot)
         elif alpha_norm == "original":
@@ -411,6 +414,17 @@ class SegmentCache:
             alpha = torch.softmax(top_s, -1)
         self.select_seconds += time.perf_counter() - t_start
         return self._chosen(slot, alpha, t0=t0, count=count)
+
+    def _top(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k largest scores of [B, ..., n_valid] and their slots; equal scores go to the most
+        recent slot (a stable sort over the slots ordered newest first), so a selection never
+        depends on where a slot sits in the ring."""
+        assert self.pos is not None
+        B, nv = scores.shape[0], scores.shape[-1]
+        newest_first = self.pos[:, :nv].argsort(1, descending=True)  # [B, nv]
+        order = newest_first.view(B, *[1] * (scores.dim() - 2), nv).expand(scores.shape)
+        ranked, idx = scores.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        return ranked[..., :k], order.gather(-1, idx[..., :k])
 
     def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int, count: bool) -> Selection:
         """The selection of ``slot`` [B, ..., k] with weights ``alpha``: ordered by stream position

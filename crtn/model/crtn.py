@@ -28,6 +28,7 @@ from torch import Tensor
 from crtn.errors import ConfigError, check_choice
 from crtn.model.cache import SegmentCache, Selection, resolve_cache
 from crtn.model.evalkv import keep_last, slot_layout
+from crtn.model.gate import Gate, block_keys
 from crtn.model.query import STRATEGIES, QueryInputs
 from crtn.model.retrieved import CacheContext, RealPositions
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
@@ -95,8 +96,11 @@ class CRTN(TransformerLM):
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
         self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach
-        # R_prev is kept for the strategies that read it and for the summaries' query lead-in
-        self.needs_r_prev = self.query.needs_r_prev or self.summary.query_lead_rows > 0
+        # R_prev is kept for the strategies that read it and for the summaries' query lead-in (a gate
+        # takes its lead-in queries from each layer's memory)
+        self.needs_r_prev = not self.query.in_attention and (
+            self.query.needs_r_prev or self.summary.query_lead_rows > 0
+        )
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
@@ -136,6 +140,19 @@ class CRTN(TransformerLM):
         cache = resolve_cache(spec.cache, summary_cls)
         query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
+        if STRATEGIES[query.strategy].in_attention:
+            if cache.key_layer is not None:
+                raise ConfigError(
+                    f"cache.key_layer={cache.key_layer} applies to the query strategies, not query=gate "
+                    "(each retrieving layer selects with its own input; cache.layers chooses the layers)"
+                )
+            if cache.backend == "faiss":
+                raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
+            if summary.d_key is not None:
+                raise ConfigError(
+                    f"summary.d_key={summary.d_key} applies to the query strategies, not query=gate (it scores "
+                    "with each layer's own projections)"
+                )
         return replace(spec, cache=_resolve_layers(cache, m), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
@@ -196,7 +213,9 @@ class CRTN(TransformerLM):
         if r > 0:  # the layers below the first retrieving one: shared by query and main pass
             lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r), kv_out=kv_out)[0]
         r_cur, selection = None, None
-        if cache.n_valid > 0 or self.needs_r_prev:
+        if self.query.in_attention:
+            pass  # each retrieving layer selects for itself (gate.py)
+        elif cache.n_valid > 0 or self.needs_r_prev:
             r_cur, selection = self._retrieve(
                 tokens,
                 state,
@@ -206,7 +225,12 @@ class CRTN(TransformerLM):
                 shared=None if lower is None else lower[-1],
             )
         keep_slots = keep and self.spec.cache.eval_kv  # slots' projections too (cache.eval_kv)
-        ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
+        if self.query.in_attention:
+            ctx, real_pos = self._gate_context(
+                cache, t0=state.pos, seg=seg, L=L, keep=keep_slots, update=update
+            )
+        else:
+            ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
         if lower is None:
             hids, out = self.core(
                 tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv, kv_out=kv_out
@@ -223,6 +247,8 @@ class CRTN(TransformerLM):
                 kv_out=kv_out,
             )
             hids = lower + upper[1:]
+        if ctx is not None and ctx.gate is not None and ctx.gate.selections:
+            selection = _reported(ctx.gate.selections[-1])  # the top retrieving layer's, all heads
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
@@ -257,6 +283,46 @@ class CRTN(TransformerLM):
         if self.real_pos:
             real_pos = RealPositions(
                 self.pos_emb, selection.age, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
+            )
+        return ctx, real_pos
+
+    def _gate_context(
+        self, cache: SegmentCache, *, t0: int, seg: int, L: int, keep: bool, update: bool
+    ) -> tuple[CacheContext | None, RealPositions | None]:
+        """Selection inside attention (``query=gate``, gate.py): a context from which each retrieving
+        layer selects its own segments (None while the cache is empty) and, for ``cache.pos=real``,
+        the position terms of every filled slot, from which each layer takes its own."""
+        if cache.n_valid == 0:
+            return None, None
+        c = self.spec.cache
+        gate = Gate(
+            cache,
+            self.summary,
+            top_k=c.top_k,
+            alpha_norm=c.alpha_norm,
+            theta=c.theta,
+            per_head=self.spec.query.per_head,
+            detach=self.detach,
+            first_layer=self.retrieve_from,
+            t0=t0,
+            count=update,
+        )
+        ctx = CacheContext(
+            cache.values,
+            None,
+            None,
+            weighted=self.weighted,
+            first_layer=self.retrieve_from,
+            kv=cache.fresh_kv() if keep else None,
+            gate=gate,
+            gate_k=min(c.top_k, cache.n_valid),
+        )
+        real_pos = None
+        if self.real_pos:
+            assert cache.pos is not None
+            every = (t0 - cache.pos[:, None, : cache.n_valid]).expand(-1, L, -1)  # [B, L, n_valid]
+            real_pos = RealPositions(
+                self.pos_emb, every, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
             )
         return ctx, real_pos
 
@@ -357,7 +423,12 @@ class CRTN(TransformerLM):
             # every layer's states (paper); with cache.layers only those the retrieving layers read
             slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
             key = None
-            if not self.summary.key_is_view:
+            if self.query.in_attention:  # block keys of every retrieving layer's input (gate.py)
+                first = self.layers[r].dec_attn
+                key = block_keys(
+                    cat[r : self.n_layer, :, :over], self.summary, first.pre_lnorm, first.layer_norm.eps
+                )
+            elif not self.summary.key_is_view:
                 with torch.no_grad():
                     key = self.summary.key(cat[self.key_layer, :, :over])
             slot_kv = None
@@ -432,3 +503,12 @@ def _resolve_layers(cache: CacheSpec, model: ModelSpec) -> CacheSpec:
         raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
     key_layer = cache.key_layer if cache.key_layer is not None else (below or n)
     return replace(cache, layers=layers, key_layer=key_layer)
+
+
+def _reported(sel: Selection) -> Selection:
+    """A gate's selection [B, L, G, k] as one [B, L, G*k] (the slots any head of the layer read),
+    for the retrieval statistics and recall metrics of :class:`LMOutput`."""
+    if sel.slot.dim() == 3:
+        return sel
+    flat = (sel.slot, sel.flat_index, sel.alpha, sel.age)
+    return Selection(*(t.flatten(2) for t in flat))

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.spec import ModelSpec, QuerySpec
-from crtn.model.summary import SUMMARIES, TOKEN, WINDOW, Summary
+from crtn.model.summary import GATE, SUMMARIES, TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
 CoreFn = Callable[..., Tensor]  # (tokens, mem, extra_mask[, mem_kv]) -> top layer
@@ -177,6 +177,7 @@ class QueryStrategy(nn.Module):
     needs_prev_states: bool = False
     length_bound: bool = False
     learned: bool = False  # has weights of its own (query.tanh applies)
+    in_attention: bool = False  # selects inside each retrieving layer's attention (no queries here)
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
         super().__init__()
@@ -198,6 +199,8 @@ class QueryStrategy(nn.Module):
             raise ConfigError(
                 f"query={cls.strategy} cannot be paired with summary={summary}. Valid pairs: {pairs}"
             )
+        if spec.per_head and not cls.in_attention:
+            raise ConfigError(f"query.per_head=true applies to query=gate only, not query={cls.strategy}")
         if spec.tanh and not cls.learned:
             learned = "|".join(q for q, c in STRATEGIES.items() if c.learned)
             raise ConfigError(
@@ -342,9 +345,22 @@ def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
     return torch.cat([x.r_prev[:, x.r_prev.shape[1] - n :].to(x.r_cur.dtype), x.r_cur], 1)
 
 
+class Gate(QueryStrategy):
+    """Selection inside attention: every retrieving layer scores the cached segments with its own
+    attention queries and selects per head or shared (``crtn/model/gate.py``; MoBA, NSA, landmark
+    attention). No query pass and no queries here: the CRTN step hands the layers a
+    :class:`crtn.model.gate.Gate`."""
+
+    strategy, kind, needs_query_pass, in_attention = "gate", GATE, False, True
+
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        raise ValueError("query=gate selects inside attention (crtn/model/gate.py): it builds no queries")
+
+
 #: every query strategy by its config name, in the order of docs/method.md §3
 STRATEGIES: dict[str, type[QueryStrategy]] = {
-    cls.strategy: cls for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear)
+    cls.strategy: cls
+    for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear, Gate)
 }
 
 

@@ -22,7 +22,7 @@ instead (``cache.eval_kv``, ``evalkv.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,34 +37,48 @@ class CacheContext:
     """The segments retrieved for each token of the current segment (SPEC §3 steps 2-3).
 
     Shapes: B batch rows, L tokens, k retrieved segments per token, Ls rows per segment,
-    d model width, n layers.
+    d model width, n layers, H heads.
 
     Attributes:
         values: [n+1, B*N, Ls, d] cached hidden states of every slot (gradient-stopped),
             layer-major so that ``values[layer]`` is one contiguous block.
         index: [B, L, k] flat slot index ``b * N + slot`` of each retrieved segment,
-            ordered by stream position, oldest first.
-        alpha: [B, L, k] retrieval weights (differentiable w.r.t. the query).
+            ordered by stream position, oldest first; [B, L, H, k] with a selection per head
+            (``query.per_head``); None for a :attr:`gate` context before its layer selected.
+        alpha: retrieval weights of ``index``'s shape (differentiable w.r.t. the query).
         weighted: whether alpha scales the values (``cache.weighted``).
-        age: [B, L, k] distance in tokens from the current segment's first token to the
-            first token of each retrieved segment (for ``cache.pos=real``), else None.
+        age: distance in tokens from the current segment's first token to the first token of
+            each retrieved segment, ``index``'s shape (for ``cache.pos=real``), else None.
         first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
             stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
         kv: [n_kv, 2, B*N, H, Ls, d_h] projected keys and values of every slot (evaluation,
             ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
+        gate: selection inside attention (:class:`crtn.model.gate.Gate`): each retrieving layer
+            selects for itself and reads :meth:`selected`; None for a query strategy's selection.
+        gate_k: segments a gate selects per token (min(top_k, filled slots)).
     """
 
     values: Tensor
-    index: Tensor
-    alpha: Tensor
+    index: Tensor | None
+    alpha: Tensor | None
     weighted: bool
     age: Tensor | None = None
     first_layer: int = 0
     kv: Tensor | None = None
+    gate: Any = None
+    gate_k: int = 0
 
     @property
     def k(self) -> int:
-        return self.index.shape[-1]
+        return self.index.shape[-1] if self.index is not None else self.gate_k
+
+    def selected(self, sel: Any) -> CacheContext:
+        """This context with a layer's selection ``sel`` (a :class:`crtn.model.cache.Selection`
+        [B, L, G, k], G = H heads or 1 shared), the shared one as [B, L, k]."""
+        index, alpha, age = sel.flat_index, sel.alpha, sel.age
+        if index.shape[2] == 1:
+            index, alpha, age = index[:, :, 0], alpha[:, :, 0], age[:, :, 0]
+        return replace(self, index=index, alpha=alpha, age=age, gate=None)
 
     @property
     def seg_len(self) -> int:
@@ -180,11 +194,14 @@ def attend_with_cache(
     rw_q, rr_q = q
     B, L = rw_q.shape[:2]
     H, dh = attn.n_head, attn.d_head
-    index = cache.index.reshape(B * L, cache.k)
+    assert cache.index is not None and cache.alpha is not None
+    per_head = cache.index.dim() == 4  # [B, L, H, k]: every head its own segments
+    index = cache.index.reshape(-1, cache.k)  # [B*L, k] or [B*L*H, k]
     C = cache.k * cache.seg_len
     kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [2, B*N, H, Ls, dh]
     if kv is not None:  # evaluation: projected keys kept (evalkv.py)
-        ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index)
+        ac_c = _per_head(kv_scores, rw_q.reshape(B * L, H, dh), kv, index) if per_head else None
+        ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index) if ac_c is None else ac_c
     else:
         ac_c = _folded_scores(attn, rw_q, cache.values[layer - cache.first_layer], index)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
@@ -200,46 +217,62 @@ def attend_with_cache(
     # value term: mix retrieved rows per head (scaled by alpha), then project with W_v
     prob_c = prob_c.transpose(1, 2)  # [B, L, H, C]
     if cache.weighted:
-        seg = cache.seg_len
-        prob_c = (prob_c.view(B, L, H, cache.k, seg) * cache.alpha[:, :, None, :, None]).view(B, L, H, C)
+        alpha = cache.alpha if per_head else cache.alpha[:, :, None]  # [B, L, H or 1, k]
+        prob_c = (prob_c.view(B, L, H, cache.k, cache.seg_len) * alpha[..., None]).view(B, L, H, C)
     prob_c = prob_c.reshape(B * L, H, C)
     if kv is not None:
-        mixed = kv_mix(prob_c, kv, index)  # [B*L, H, dh]
+        mixed = _per_head(kv_mix, prob_c, kv, index) if per_head else kv_mix(prob_c, kv, index)
     else:
         mixed = _folded_mix(attn, prob_c, cache.values[layer - cache.first_layer], index)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
 
 
+def _per_head(fn: Any, a: Tensor, kv: Tensor, index: Tensor) -> Tensor:
+    """``kv_scores``/``kv_mix`` with a selection per head: a [T, H, x], index [T*H, k] (token t,
+    head h at row t*H + h) -> [T, H, y], every (token, head) reading its own slots' head h."""
+    T, H = a.shape[:2]
+    heads = torch.arange(H, device=index.device).repeat(T)[:, None]  # [T*H, 1]
+    kv_heads = kv.reshape(2, -1, 1, *kv.shape[3:])  # [2, B*N*H, 1, Ls, dh]: row (slot, head)
+    out = fn(a.reshape(T * H, 1, a.shape[-1]), kv_heads, index * H + heads)
+    return out.view(T, H, -1)
+
+
 def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, index: Tensor) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h],
-    values [B*N, Ls, d], index [B*L, k] -> [B*L, H, k*Ls]."""
+    values [B*N, Ls, d], index [B*L, k] (or [B*L*H, k], a selection per head) -> [B*L, H, k*Ls]."""
     B, L, H, dh = rw_q.shape
     w_k = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[1]
-    q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(B * L, H, attn.d_model)
+    q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(-1, H, attn.d_model)
+    if index.shape[0] != q_model.shape[0]:  # per head: (token, head) pairs are the rows
+        q_model = q_model.reshape(-1, 1, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
-        return (
+        out = (
             retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
             + (q_model @ b)[..., None]
         )
-    return retrieved_product(q_model, values, index, "scores")
+    else:
+        out = retrieved_product(q_model, values, index, "scores")
+    return out.reshape(B * L, H, -1)
 
 
 def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, index: Tensor) -> Tensor:
     """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls],
-    values [B*N, Ls, d], index [T, k] -> [T, H, d_h]."""
-    H, dh = attn.n_head, attn.d_head
+    values [B*N, Ls, d], index [T, k] (or [T*H, k], a selection per head) -> [T, H, d_h]."""
+    T, H = prob_c.shape[:2]
+    dh = attn.d_head
     w_v = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[2]
+    p = prob_c if index.shape[0] == T else prob_c.reshape(T * H, 1, -1)
     if attn.pre_lnorm:
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         mix = (
-            retrieved_product(prob_c, values, index, mode="mix", normalize=True, eps=eps) * g
-            + prob_c.sum(-1, keepdim=True) * b
+            retrieved_product(p, values, index, mode="mix", normalize=True, eps=eps) * g
+            + p.sum(-1, keepdim=True) * b
         )
     else:
-        mix = retrieved_product(prob_c, values, index, "mix")  # [T, H, d]
-    return torch.einsum("nhd,hed->nhe", mix, w_v)
+        mix = retrieved_product(p, values, index, "mix")  # [T, H, d] or [T*H, 1, d]
+    return torch.einsum("nhd,hed->nhe", mix.reshape(T, H, attn.d_model), w_v)
 
 
 class RealPositions:
@@ -259,9 +292,14 @@ class RealPositions:
     current segment use too, as with ``cache.pos=concat``) and the scores are gathered
     from it: O(B L H d_h D) for D distances, in training only.
 
+    With a selection per head (age [B, L, H, k]) the terms of all H groups of segments are
+    computed for every head and each head keeps its own group (H times the work of a shared
+    selection; the position term is a small part of the step).
+
     Args:
         pos_emb: the model's :class:`crtn.model.attention.PositionalEmbedding`.
-        age: [B, L, k] long, distance of each retrieved segment's first row (``Selection.age``).
+        age: [B, L, k] long (or [B, L, H, k], per head), distance of each retrieved segment's
+            first row (``Selection.age``).
         seg_len: Ls, rows per retrieved segment; q_len: L, tokens in the segment.
         clamp_len: -1 for none.
         dtype: compute dtype.
@@ -276,8 +314,10 @@ class RealPositions:
         clamp_len: int,
         dtype: torch.dtype,
     ):
-        self.pos_emb = pos_emb
-        self.age = age  # [B, L, k] long
+        self.pos_emb, self.seg_len, self.q_len, self.dtype = pos_emb, seg_len, q_len, dtype
+        self.groups = age.shape[2] if age.dim() == 4 else 0  # heads with their own segments
+        age = age.flatten(2) if self.groups else age  # [B, L, k] or [B, L, H*k]
+        self.age = age
         self.table: Tensor | None = None
         j = torch.arange(q_len, device=age.device)
         r = torch.arange(seg_len, device=age.device)
@@ -301,8 +341,29 @@ class RealPositions:
         self.table = table
         return self
 
+    def for_age(self, age: Tensor) -> RealPositions:
+        """The position terms of other retrieved segments (a layer's own selection, ``query=gate``)
+        with the same table: ``age`` as in the constructor, no farther than :attr:`max_dist`."""
+        out = RealPositions(
+            self.pos_emb,
+            age,
+            seg_len=self.seg_len,
+            q_len=self.q_len,
+            clamp_len=self.clamp_len,
+            dtype=self.dtype,
+        )
+        return out if self.table is None else out.with_table(self.table)
+
     def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
-        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
+        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]
+        (each head its own group of k segments when the selection is per head)."""
+        bd = self._bd(rr_q, r_weight)
+        if not self.groups:
+            return bd
+        B, H, L, _ = bd.shape  # [B, H, L, G*k*Ls]: head h keeps group h
+        return bd.view(B, H, L, H, -1).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+    def _bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
         B, L, H, dh = rr_q.shape
         d = r_weight.shape[1]
         if self.table is not None:

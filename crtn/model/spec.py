@@ -103,9 +103,12 @@ class CacheSpec:
 class QuerySpec:
     """How each token's query is built (docs/method.md §3, "Query strategies")."""
 
-    strategy: str = "token"  # crtn.model.STRATEGIES
-    detach: bool = False  # stop gradients from the retrieval weights into the query pass
+    strategy: str = "token"  # crtn.model.STRATEGIES; gate: selection inside attention (no query pass)
+    detach: bool = False  # stop gradients from the retrieval weights into the query pass (gate: the query)
     tanh: bool = False  # tanh on the queries (strategies with their own weights: linear, single_linear)
+    # query=gate only: each head selects its own top-k slots (MoBA); false: the heads' scores summed,
+    # one selection shared by the heads
+    per_head: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from crtn.errors import ConfigError, check_choice
 from crtn.model.spec import ModelSpec, SummarySpec
 
-WINDOW, TOKEN = "window", "token"
+WINDOW, TOKEN, GATE = "window", "token", "gate"
 
 
 class Summary(nn.Module):
@@ -214,7 +214,7 @@ class Linear(Summary):
 class LastState(Summary):
     """Y[L] (for a query window: the row of token j), d_key = d; the CRTN paper's key."""
 
-    name = "last_state"
+    name, kinds = "last_state", (WINDOW, TOKEN, GATE)
 
     def key(self, top: Tensor) -> Tensor:
         return top[..., -1, :]
@@ -225,9 +225,9 @@ class LastState(Summary):
 
 
 class Mean(Summary):
-    """Mean over rows, d_key = d."""
+    """Mean over rows, d_key = d (also the block key of selection inside attention, as MoBA's)."""
 
-    name = "mean"
+    name, kinds = "mean", (WINDOW, TOKEN, GATE)
 
     def key(self, top: Tensor) -> Tensor:
         return top.mean(-2)
@@ -385,7 +385,7 @@ class TokenMax(Summary):
         ngram: w, aligned tokens per score (``summary.ngram``, resolved); shift: s, 0 or 1.
     """
 
-    name, kinds, key_is_view, row_keys = "token_max", (TOKEN,), True, True
+    name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE), True, True
     #: what a checkpoint saved before ``summary.ngram``/``summary.shift`` existed was trained with
     LEGACY = {"ngram": 1, "shift": 0}
 
@@ -455,25 +455,42 @@ class TokenMax(Summary):
     def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
         ``lead`` [B, n, w-1+s, d] the rows before each slot (s = shift; needed when w-1+s > 0;
-        SegmentCache._lead_in). The lead-in is scored on its own and joined on the score axis,
-        so the cached rows are read in place (no copy of the key layer per step)."""
+        SegmentCache._lead_in): :func:`ngram_row_scores` / sqrt(d_key)."""
         query, keys = self._map(query, keys)
-        B, N, Ls, d = keys.shape
-        rows = torch.bmm(query, keys.reshape(B, N * Ls, d).transpose(1, 2)).view(B, -1, N, Ls)
-        w, n_lead = self.ngram, self.lead_rows
-        if n_lead > 0:  # sum the w aligned diagonals: query j-a against row r-shift-a
-            assert lead is not None
+        if lead is not None:
             lead = lead.to(query.dtype) if self.proj_k is None else self.proj_k(lead.to(query.dtype))
-            before = torch.einsum("bqd,bnrd->bqnr", query, lead)  # [B, w-1+L, N, w-1+s]
-            rows = torch.cat([before, rows], -1)  # column c: row c - n_lead of the slot
-            Lq = rows.shape[1] - w + 1
-            rows = sum(rows[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
-            rows = rows * (1.0 / w)
-        return rows.amax(-1) * (1.0 / math.sqrt(self.d_key))
+        scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift)
+        return scores * (1.0 / math.sqrt(self.d_key))
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
+
+
+def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
+    """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
+    (w = ngram, s = shift; class :class:`TokenMax`), for every query against every slot.
+
+    Args:
+        query: [G, w-1+L, d] the L queries with the w-1 before them in front.
+        rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups).
+        lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or None when w-1+s = 0.
+
+    Returns:
+        [G, L, n]. The lead-in is scored on its own and joined on the score axis, so the cached rows
+        are read in place (no copy of them per step).
+    """
+    G, N, Ls, d = rows.shape
+    scores = torch.bmm(query, rows.reshape(G, N * Ls, d).transpose(1, 2)).view(G, -1, N, Ls)
+    w, n_lead = ngram, ngram - 1 + shift
+    if n_lead > 0:  # sum the w aligned diagonals: query j-a against row r-shift-a
+        assert lead is not None
+        before = torch.einsum("bqd,bnrd->bqnr", query, lead.to(query.dtype))  # [G, w-1+L, n, w-1+s]
+        scores = torch.cat([before, scores], -1)  # column c: row c - n_lead of the slot
+        Lq = scores.shape[1] - w + 1
+        scores = sum(scores[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
+        scores = scores * (1.0 / w)
+    return scores.amax(-1)
 
 
 #: every summary by its config name, in the order of docs/method.md §3

@@ -1,0 +1,165 @@
+"""Selection inside attention (``query=gate``; docs/method.md §3, "Selection inside attention").
+
+The modern form of per-token top-k segment retrieval (MoBA, Lu et al. 2025; Native Sparse
+Attention, Yuan et al. 2025; landmark attention, Mohtashami and Jaggi 2023) has no separate
+query pass: every retrieving layer selects cached segments with its own attention query. For
+head h, token j and cached slot i, with x(z) the layer's attention input of a cached row z
+(LayerNorm'ed for pre-LN) and q_j^h + u^h the content query of the layer (Transformer-XL's
+terms (a) + (c)):
+
+    g_{j,i}^h = score_h(q_j^h + u^h, slot i) / sqrt(d_head)                       (gate score)
+
+where the slot's *block key* decides ``score_h`` (``summary=``):
+
+    mean        <q + u, W_{k,E}^h mean_r x(z_r)>        mean-pooled keys (MoBA, NSA); W is linear,
+                                                         so the mean of the projections is the
+                                                         projection of the mean: one d-vector per
+                                                         slot and layer, stored when it enters
+    last_state  <q + u, W_{k,E}^h x(z_last)>            the block's last row (a landmark)
+    token_max   max_r <q + u, W_{k,E}^h x(z_r)>         the best row (landmark attention's exact
+                                                         block score); with ``summary.ngram`` w and
+                                                         ``summary.shift`` s the n-gram row match
+                                                         of docs/method.md §3, "Summaries"
+
+Per-head selection (``query.per_head=true``): each head takes its own top-k slots by g^h (MoBA;
+landmark's ``per_token_and_head``). Shared selection (the default): the heads' scores are
+summed (per row, before the block's max) and one top-k serves every head (landmark's
+``max_over_heads`` sums, NSA sums within a head group). The selected slots' rows join that head's
+attention exactly as in step 3 (keys unweighted, values weighted by alpha), with alpha from the
+gate scores by ``cache.alpha_norm`` (times ``cache.theta``), or unweighted (``cache.weighted``).
+
+The queries are folded into model space as in the main pass (``retrieved.py``): with
+qm_j^h = W_{k,E}^{h T} (q_j^h + u^h) in R^d, every score is a product with d-vectors of the cache,
+B L G N d multiply-adds per layer for pooled keys (G = H per head, 1 shared), and no projection
+of cached rows. For pre-LN, x(z) = g * n(z) + b with n the parameter-free normalisation: the
+cache stores n(z) pooled (mean or last row: linear in n(z)), and the scores use
+(g * qm) . pooled + qm . b; the rows of ``token_max`` are normalised with g and b when scored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from crtn.model.cache import SegmentCache, Selection
+from crtn.model.summary import Summary, ngram_row_scores
+
+
+def normalized(rows: Tensor, eps: float) -> Tensor:
+    """n(z): LayerNorm without its weight and bias, over the last axis (pre-LN's attention input
+    is g * n(z) + b)."""
+    return F.layer_norm(rows, (rows.shape[-1],), eps=eps)
+
+
+def block_keys(states: Tensor, summary: Summary, pre_lnorm: bool, eps: float) -> Tensor | None:
+    """The pooled block keys of one new slot at every retrieving layer, stored by the cache.
+
+    Args:
+        states: [n_ret, B, Ls, d] the slot's inputs of the retrieving layers.
+        summary: the pooling (``mean``, ``last_state``); ``token_max`` keeps the rows themselves
+            (None is returned: the cache reads its stored states).
+        pre_lnorm: pool n(z) (pre-LN) instead of z.
+
+    Returns:
+        [B, n_ret, d] or None.
+    """
+    if summary.key_is_view:
+        return None
+    x = normalized(states, eps) if pre_lnorm else states
+    return summary.key(x).transpose(0, 1)
+
+
+@dataclass
+class Gate:
+    """What the retrieving layers need to select inside attention during one step.
+
+    Attributes:
+        cache: the stream's cache (its values, block keys, positions and usage counts).
+        summary: the block key (module docstring).
+        top_k, alpha_norm, theta: as in :meth:`SegmentCache.choose`.
+        per_head: each head its own selection (else one shared by the heads).
+        detach: no gradient from the gate scores into the layer's query q + u (``query.detach``;
+            the key projection W_{k,E} still learns from them).
+        first_layer: the first retrieving layer (``cache.values[0]`` holds its input).
+        t0: stream position of the segment's first token; count: update usage counts.
+        selections: the selection of every retrieving layer run so far, in order.
+    """
+
+    cache: SegmentCache
+    summary: Summary
+    top_k: int
+    alpha_norm: str
+    theta: float
+    per_head: bool
+    detach: bool
+    first_layer: int
+    t0: int
+    count: bool
+    selections: list[Selection] = field(default_factory=list)
+
+    def select(self, attn: Any, layer: int, rw_q: Tensor, lead_q: Tensor | None) -> Selection:
+        """The selection of layer ``layer`` for every token (and head): top-k by the gate scores.
+
+        Args:
+            attn: the layer's :class:`crtn.model.attention.RelPartialLearnableMultiHeadAttn`.
+            rw_q: [B, L, H, d_h] the layer's content queries q + u.
+            lead_q: [B, w-1, H, d_h] the same for the w-1 positions before the segment (the
+                memory's last rows; zeros where there is none), for an n-gram match (w > 1).
+
+        Returns:
+            a :class:`Selection` of shape [B, L, G, k] (G = H per head, 1 shared), also appended
+            to :attr:`selections`.
+        """
+        q = torch.cat([lead_q, rw_q], 1) if lead_q is not None else rw_q
+        qm = fold(attn, q.detach() if self.detach else q)  # [B, Lq, H, d]; W_{k,E} keeps its gradient
+        if not self.per_head:
+            qm = qm.sum(2, keepdim=True)  # [B, Lq, 1, d]: the heads' scores summed
+        scores = self._scores(attn, layer, qm) * (self.theta / math.sqrt(attn.d_head))
+        sel = self.cache.choose(
+            scores, top_k=self.top_k, alpha_norm=self.alpha_norm, t0=self.t0, count=self.count
+        )
+        self.selections.append(sel)
+        return sel
+
+    def _scores(self, attn: Any, layer: int, qm: Tensor) -> Tensor:
+        """Unscaled block scores [B, L, G, n_valid] of folded queries qm [B, Lq, G, d] (Lq - L lead
+        queries before the segment for an n-gram match)."""
+        cache, nv = self.cache, self.cache.n_valid
+        B, Lq, G, d = qm.shape
+        ln = attn.layer_norm
+        if not self.summary.key_is_view:  # pooled keys: [B, N, n_ret, d] -> this layer's [B, nv, d]
+            assert cache.keys is not None
+            keys = cache.keys[:, :nv, layer - self.first_layer].to(qm.dtype)
+            if not attn.pre_lnorm:
+                return torch.einsum("blgd,bnd->blgn", qm, keys)
+            # x = g * n(z) + b, pooled linearly: (g * qm) . pooled + qm . b
+            return torch.einsum("blgd,bnd->blgn", qm * ln.weight, keys) + (qm @ ln.bias)[..., None]
+        # the rows themselves (token_max): max over rows, or the n-gram row match
+        rows = cache.layer_values(layer - self.first_layer)[:, :nv].to(qm.dtype)  # [B, nv, Ls, d]
+        if attn.pre_lnorm:
+            rows = F.layer_norm(rows, (d,), ln.weight, ln.bias, ln.eps)
+        lead = None
+        if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
+            lead = _per_group(cache._lead_in(rows, self.summary.lead_rows), G)
+        q = qm.transpose(1, 2).reshape(B * G, Lq, d)
+        w, s = self.summary.ngram, self.summary.shift
+        scores = ngram_row_scores(q, _per_group(rows, G), lead, ngram=w, shift=s)  # [B*G, L, nv]
+        return scores.view(B, G, -1, nv).transpose(1, 2)
+
+
+def _per_group(x: Tensor, G: int) -> Tensor:
+    """[B, ...] -> [B*G, ...]: the same tensor for each of G head groups (a view when G = 1)."""
+    return x if G == 1 else x[:, None].expand(x.shape[0], G, *x.shape[1:]).reshape(-1, *x.shape[1:])
+
+
+def fold(attn: Any, rw_q: Tensor) -> Tensor:
+    """Queries folded into model space, qm^h = W_{k,E}^{h T} (q^h + u^h): rw_q [B, L, H, d_h] ->
+    [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring)."""
+    H, dh = rw_q.shape[-2:]
+    w_k = attn.qkv_net.weight.view(3, H, dh, -1)[1]
+    return torch.einsum("blhe,hed->blhd", rw_q, w_k)
