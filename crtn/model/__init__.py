@@ -4,6 +4,7 @@
 |-------------------|-------------------------------------------------------------------|
 | ``spec.py``       | the frozen specs a model is built from (one per config group)     |
 | ``attention.py``  | relative multi-head attention A_rel, rel_shift (docs/method.md §2) |
+| ``flex.py``       | A_rel through FlexAttention (``model.flex``, the GPU path)        |
 | ``retrieved.py``  | attention to retrieved segments weighted by alpha (§3 step 3)     |
 | ``transformer.py``| Transformer-XL (``txl``) and ``vanilla``: layers, memory, the step |
 | ``crtn.py``       | CRTN: the cache step (query pass, selection, main pass, renewal)  |

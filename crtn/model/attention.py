@@ -11,7 +11,8 @@ Transformer-XL layer n for segment tau:
 
 The position term "BD" is computed once per distance and moved into place by the relative shift
 (:func:`rel_shift`). ``model.sdpa`` computes the same function through
-``F.scaled_dot_product_attention`` (:func:`sdpa_attention`). For CRTN (docs/method.md §3 step 3)
+``F.scaled_dot_product_attention`` (:func:`sdpa_attention`), ``model.flex`` through FlexAttention with
+BD as its score_mod (``flex.py``, the GPU path). For CRTN (docs/method.md §3 step 3)
 every query token also attends to the rows of its retrieved segments:
 :func:`crtn.model.retrieved.attend_with_cache`.
 """
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from crtn.model import flex as flex_path
 from crtn.model.dropout import make_dropout
 from crtn.model.retrieved import CacheContext, RealPositions, attend_with_cache
 
@@ -114,6 +116,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         locked: locked (variational) dropout on the output instead of elementwise.
         sdpa: attention without retrieved rows through ``F.scaled_dot_product_attention``
             (``model.sdpa``): (q + u).k is its product, the position term its additive mask.
+        flex: attention without retrieved rows through FlexAttention (``model.flex``, ``flex.py``):
+            (q + u).k is its product, the position term its score_mod, the mask a BlockMask.
+
+    Raises:
+        ValueError: ``flex`` with ``dropatt > 0`` (FlexAttention has no attention dropout).
     """
 
     def __init__(
@@ -128,10 +135,13 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         untie_r: bool = False,
         locked: bool = False,
         sdpa: bool = False,
+        flex: bool = False,
     ):
         super().__init__()
+        if flex and dropatt > 0:
+            raise ValueError(f"flex=True has no attention dropout, but dropatt={dropatt}")
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
-        self.sdpa = sdpa
+        self.sdpa, self.flex = sdpa, flex
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
@@ -158,6 +168,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         real_pos: RealPositions | None = None,
         mem_kv: Tensor | None = None,
         kv_out: list[Tensor] | None = None,
+        flex_mask: flex_path.BlockMask | None = None,
     ) -> Tensor:
         """One attention sub-layer (residual and LayerNorm included).
 
@@ -177,6 +188,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                 when computed once for several passes over the same memory (CRTN).
             kv_out: a list that receives the keys and values of [memory; segment], [B, M+L, 2 H d_h]
                 (evaluation keeps them for the next steps, ``evalkv.py``), or None.
+            flex_mask: ``attn_mask`` as a FlexAttention BlockMask (:func:`crtn.model.flex.block_mask`);
+                with ``flex`` and no ``cache`` the layer attends through FlexAttention; None: eager.
 
         Returns:
             [B, L, d] the sub-layer output.
@@ -185,19 +198,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
         B, L, _ = h.shape
         H, dh = self.n_head, self.d_head
-        if mem_kv is None and mem is not None and mem.shape[1] > 0:
-            mem_kv = self.project_memory(mem)
-        # queries only for the current segment; keys and values for memory and segment
-        x = self.layer_norm(h) if self.pre_lnorm else h
-        w_q, w_kv = self.qkv_net.weight.split([H * dh, 2 * H * dh])
-        q = F.linear(x, w_q).view(B, L, H, dh)
-        kv = F.linear(x, w_kv)
-        if mem_kv is not None:
-            kv = torch.cat([mem_kv, kv], 1)
-        if kv_out is not None:
-            kv_out.append(kv)
-        K = kv.shape[1]
-        k, v = kv.view(B, K, 2, H, dh).unbind(2)
+        q, k, v = self._qkv(h, mem, mem_kv=mem_kv, kv_out=kv_out)
+        K = k.shape[1]
         r_head_k = self.r_net(pos_emb).view(-1, H, dh)  # [R, H, dh]
 
         rw_q = q + r_w_bias  # [B, L, H, dh]
@@ -205,6 +207,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if self.sdpa and cache is None:
             drop = self.dropatt.p if self.training else 0.0
             attn_vec = sdpa_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=attn_mask, dropout=drop)
+            return self._output(h, attn_vec)
+        if self.flex and cache is None and flex_mask is not None:
+            attn_vec = flex_path.rel_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=flex_mask)
             return self._output(h, attn_vec)
         ac = torch.matmul(rw_q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, L, K]
         bd = torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0))  # [B, H, L, R]
@@ -242,6 +247,26 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         x = self.layer_norm(rows) if self.pre_lnorm else rows
         q = F.linear(x, self.qkv_net.weight[: H * dh]).view(*rows.shape[:2], H, dh) + r_w_bias
         return F.pad(q, (0, 0, 0, 0, n - rows.shape[1], 0))
+
+    def _qkv(
+        self, h: Tensor, mem: Tensor | None, *, mem_kv: Tensor | None, kv_out: list[Tensor] | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries of the current segment, keys and values of [memory; segment] (arguments as in
+        :meth:`forward`): q [B, L, H, d_h], k and v [B, M+L, H, d_h]."""
+        B, L, _ = h.shape
+        H, dh = self.n_head, self.d_head
+        if mem_kv is None and mem is not None and mem.shape[1] > 0:
+            mem_kv = self.project_memory(mem)
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        w_q, w_kv = self.qkv_net.weight.split([H * dh, 2 * H * dh])
+        q = F.linear(x, w_q).view(B, L, H, dh)
+        kv = F.linear(x, w_kv)
+        if mem_kv is not None:
+            kv = torch.cat([mem_kv, kv], 1)
+        if kv_out is not None:
+            kv_out.append(kv)
+        k, v = kv.view(B, kv.shape[1], 2, H, dh).unbind(2)
+        return q, k, v
 
     def _output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
         """Output projection, dropout, residual and (post-LN) LayerNorm: attn_vec [B, L, H d_h] -> [B, L, d]."""
@@ -314,6 +339,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         dropatt_out: float | None = None,
         locked: bool = False,
         sdpa: bool = False,
+        flex: bool = False,
     ):
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(
@@ -327,6 +353,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             untie_r=untie_r,
             locked=locked,
             sdpa=sdpa,
+            flex=flex,
         )
         self.pos_ff = PositionwiseFF(
             d_model,

@@ -142,7 +142,7 @@ class Gate:
         # the rows themselves (token_max): max over rows, or the n-gram row match
         rows = cache.layer_values(layer - self.first_layer)[:, :nv].to(qm.dtype)  # [B, nv, Ls, d]
         if attn.pre_lnorm:
-            rows = F.layer_norm(rows, (d,), ln.weight, ln.bias, ln.eps)
+            rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = _per_group(cache._lead_in(rows, self.summary.lead_rows), G)

@@ -60,6 +60,10 @@ class ModelSpec:
     # attention without retrieved rows through F.scaled_dot_product_attention, the relative-position
     # term passed as its additive mask (same results; fused kernels where the backend has them)
     sdpa: bool = False
+    # attention without retrieved rows through FlexAttention (torch >= 2.5; crtn/model/flex.py), the
+    # relative-position term as its score_mod, the mask a BlockMask: fused kernels on CUDA (compiled);
+    # no attention dropout, so refused with dropatt > 0; not together with sdpa
+    flex: bool = False
 
     def __post_init__(self) -> None:
         _freeze_lists(self)

@@ -35,6 +35,7 @@ from crtn.model.attention import (
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
 from crtn.model.evalkv import keep_last
+from crtn.model.flex import block_mask, check_options
 from crtn.model.spec import MEM_LEN_DEFAULT, Spec
 
 
@@ -122,6 +123,7 @@ class TransformerLM(nn.Module):
         self.d_embed = d_embed = model.d_embed
         self.tgt_len, self.mem_len = model.tgt_len, model.mem_len
         self.clamp_len, self.same_length = model.clamp_len, model.same_length
+        self.flex = model.flex  # attention without retrieved rows through FlexAttention (flex.py)
         self.init_std, self.proj_init_std = model.init_std, model.proj_init_std
 
         cutoffs = list(model.cutoffs)
@@ -153,6 +155,7 @@ class TransformerLM(nn.Module):
                 dropatt_out=model.dropatt_out,
                 locked=model.locked_dropout,
                 sdpa=model.sdpa,
+                flex=model.flex,
             )
             for _ in range(model.n_layer)
         )
@@ -182,9 +185,12 @@ class TransformerLM(nn.Module):
         (``[False] + [True] * len(cutoffs)``). Subclasses with a cache resolve its groups too.
 
         Raises:
-            ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs.
+            ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs;
+                ``model.flex`` with ``model.sdpa`` or ``model.dropatt > 0``
+                (:func:`crtn.model.flex.check_options`).
         """
         m = spec.model
+        check_options(m)
         for key in ("n_layer", "n_head", "d_model", "d_head", "d_inner", "tgt_len"):
             if getattr(m, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(m, key)} must be > 0")
@@ -275,11 +281,18 @@ class TransformerLM(nn.Module):
         K = M + L
         ones = torch.ones(L, K, dtype=torch.bool, device=device)
         mask = torch.triu(ones, diagonal=1 + M)
-        if self.same_length:
-            mask_len = K - self.mem_len
-            shift = L - mask_len if mask_len > 0 else L
+        shift = self._same_length_shift(L, M)
+        if shift is not None:
             mask = mask | torch.tril(ones, -shift)
         return mask
+
+    def _same_length_shift(self, L: int, M: int) -> int | None:
+        """``same_length``: query i sees keys j > i - shift of [memory; segment] (so that each query
+        sees as many, the release's ``mask_shift_len``); None without ``same_length``."""
+        if not self.same_length:
+            return None
+        mask_len = M + L - self.mem_len
+        return L - mask_len if mask_len > 0 else L
 
     def core(
         self,
@@ -327,6 +340,12 @@ class TransformerLM(nn.Module):
         mask = self._attn_mask(L, M, tokens.device)
         if extra_mask is not None:
             mask = mask | extra_mask
+        flex_mask = None  # model.flex: the same mask as a rule (crtn/model/flex.py)
+        if self.flex and cache is None:
+            hidden = None if extra_mask is None else extra_mask.reshape(-1, M + L).expand(tokens.shape[0], -1)
+            flex_mask = block_mask(
+                L, M, shift=self._same_length_shift(L, M), hidden=hidden, device=tokens.device
+            )
         dtype = emb.dtype if emb is not None else h.dtype
         pos_emb, real_pos = self._position_embeddings(C + M + L, real_pos, dtype, tokens.device)
         if h is None:
@@ -347,6 +366,7 @@ class TransformerLM(nn.Module):
                 real_pos=real_pos,
                 mem_kv=None if mem_kv is None else mem_kv[i],
                 kv_out=kv_out,
+                flex_mask=flex_mask,
             )
             hids.append(h)
         return hids, self.drop(h) if end == self.n_layer else h
