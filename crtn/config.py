@@ -219,13 +219,20 @@ class ReclAppSpec:
 
 # ================================================================== crtn-bench
 def _table_rows() -> dict[str, list[str]]:
-    """The cost table's default rows: txl, the CRTN authors' model and the default CRTN, each CRTN
-    also with retrieval in the top 2 layers and in the top layer only (``cache.layers``)."""
+    """The cost table's default rows: txl, the CRTN authors' model, the default CRTN and selection
+    inside attention (``query=gate``, shared by the heads and per head), each CRTN also with
+    retrieval in the top 2 layers and in the top layer only (``cache.layers``)."""
     rows: dict[str, list[str]] = {"txl": ["model=txl"]}
-    for name, option in (("crtn_original", "model=crtn_original"), ("default", "model=crtn")):
-        rows[name] = [option]
+    crtns = {
+        "crtn_original": ["model=crtn_original"],
+        "default": ["model=crtn"],
+        "gate": ["model=crtn", "query=gate"],
+        "gate_per_head": ["model=crtn", "query=gate", "query.per_head=true"],
+    }
+    for name, options in crtns.items():
+        rows[name] = options
         for layers in (2, 1):
-            rows[f"{name}_layers{layers}"] = [option, f"cache.layers={layers}"]
+            rows[f"{name}_layers{layers}"] = [*options, f"cache.layers={layers}"]
     return rows
 
 

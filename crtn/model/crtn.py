@@ -92,7 +92,9 @@ class CRTN(TransformerLM):
         # retrieval in the upper cache.layers layers only (all: the paper's model): the layers
         # below run once, shared by the query and the main pass (docs/method.md §3)
         self.retrieve_from = m.n_layer - c.layers
-        self.key_layer = c.key_layer  # the hidden layer (0: embeddings .. n: top) of keys and queries
+        self.key_layer = (
+            c.key_layer
+        )  # the hidden layer (0: embeddings .. n: top) of keys and queries; gate: None
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
         self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach
@@ -153,7 +155,8 @@ class CRTN(TransformerLM):
                     f"summary.d_key={summary.d_key} applies to the query strategies, not query=gate (it scores "
                     "with each layer's own projections)"
                 )
-        return replace(spec, cache=_resolve_layers(cache, m), query=query, summary=summary)
+        gate = STRATEGIES[query.strategy].in_attention
+        return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
         """A fresh state (empty memory and cache) for ``batch_size`` streams; no cache when
@@ -165,7 +168,7 @@ class CRTN(TransformerLM):
             c.n_slot,
             batch_size,
             self.summary,
-            key_layer=self.key_layer - self.retrieve_from,
+            key_layer=-1 if self.key_layer is None else self.key_layer - self.retrieve_from,
             renew=c.renew,
             dtype=c.dtype,
             backend=c.backend,
@@ -475,9 +478,11 @@ class CRTN(TransformerLM):
         return self.memory_kv(mem)
 
 
-def _resolve_layers(cache: CacheSpec, model: ModelSpec) -> CacheSpec:
+def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> CacheSpec:
     """``cache.layers`` (None: all n) and ``cache.key_layer`` (None: the top, or with fewer layers
-    the input of the first retrieving one, the only valid choice then), checked and filled.
+    the input of the first retrieving one, the only valid choice then; left None for selection
+    inside attention, ``gate``, where every retrieving layer scores with its own input), checked
+    and filled.
 
     Raises:
         ConfigError: layers outside 1..n; fewer layers without one segment of memory for the shared
@@ -501,7 +506,7 @@ def _resolve_layers(cache: CacheSpec, model: ModelSpec) -> CacheSpec:
             )
     if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
         raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
-    key_layer = cache.key_layer if cache.key_layer is not None else (below or n)
+    key_layer = cache.key_layer if cache.key_layer is not None or gate else (below or n)
     return replace(cache, layers=layers, key_layer=key_layer)
 
 
