@@ -564,23 +564,26 @@ class Trainer:
         if m["loss"] < p.best_valid:
             p.best_valid = m["loss"]
             save_checkpoint(self.best, self.checkpoint(with_states=False))
-            self.best_metrics = m if self.cfg.train.eval_max_step is None else None
+            # the final evaluation reuses it when it read the same segments (eval.max_step)
+            self.best_metrics = m if self.cfg.train.eval_max_step == self.cfg.eval.max_step else None
         self.last_validated = p.step
 
     def final_evaluation(self) -> dict[str, dict[str, Any]]:
         """Valid and test metrics of the best weights by validation loss (rank 0), as in the
-        Transformer-XL release; the final weights compete for ``best.pt`` first."""
+        Transformer-XL release, over the first ``eval.max_step`` segments of each split (None:
+        all); the final weights compete for ``best.pt`` first."""
         if self.last_validated != self.step and self.step > 0:
             self.validate()
         if self.best.exists():
             self.model.load_state_dict(load_checkpoint(self.best, map_location=self.device)["model"])
         final = {}
         for split in ("valid", "test"):
-            # best.pt's full validation from this process is exact (same weights, fresh memory)
+            # best.pt's validation from this process is exact (same weights, fresh memory, the
+            # same segments)
             if split == "valid" and self.best_metrics is not None:
                 final[split] = self.best_metrics
             else:
-                final[split] = self.evaluate(split, None, model=self.model)
+                final[split] = self.evaluate(split, self.cfg.eval.max_step, model=self.model)
             log.info("final %s", format_metrics(final[split]))
         return final
 
