@@ -94,6 +94,14 @@ def _cpu(x: Any) -> Any:
     return x
 
 
+def amp_context(amp: bool, device: torch.device) -> Any:
+    """The context of the training forward passes: bf16 autocast on a CUDA ``device`` when ``amp``
+    (``train.amp``), else a null context (``train.amp`` does nothing on other devices)."""
+    if amp and device.type == "cuda":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -137,11 +145,7 @@ class Trainer:
         self.validate_pending = False  # a validation was stopped by a signal: redo it on resume
         self.stop = Stop()
         self.tb = None
-        self.amp = (
-            torch.autocast(device.type, dtype=torch.bfloat16)
-            if cfg.train.amp and device.type == "cuda"
-            else nullcontext()
-        )
+        self.amp = amp_context(cfg.train.amp, device)
         self.tokens_per_step = cfg.data.batch_size * cfg.model.tgt_len
         self.loss_sum = torch.zeros((), device=device)  # training loss since the last log record
         self.loss_n = 0
