@@ -24,7 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from torch import nn
 
-from crtn.config import RunSpec, resolve
+from crtn.config import STRATEGIES, RunSpec, load_spec, resolve, spec_dict
 from crtn.model import MODELS, build_model
 from tests.helpers import compose_train
 from tests.test_wiring_data import DATA_WIRING
@@ -106,6 +106,14 @@ def test_the_defaults_check_can_fail():
     assert not same(default_of("`1`"), 0) and not same(default_of("`[false]`"), (False, True))
     assert same(default_of("`1e-5`"), 1e-05) and same(default_of("`null`"), None)
     assert not same(default_of("`true`"), 1.0) and same(default_of("`[0.9, 0.999]`"), (0.9, 0.999))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resolving_a_run_spec_again_changes_nothing(strategy):
+    """The Trainer resolves the spec train_in resolved, and a checkpoint stores a resolved spec:
+    resolution must accept its own output, for every query option (with its default summary)."""
+    run = resolve(compose_train([f"query={strategy}"]))
+    assert resolve(run) == run and load_spec(spec_dict(run)) == run
 
 
 # ------------------------------------------------------------------ no config node in the model

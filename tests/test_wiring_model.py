@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import crtn.model.crtn as crtn_module
+import crtn.model.flex as flex_module
 from crtn.model import CRTN, TransformerLM, with_spec
 from crtn.model.dropout import LockedDropout
 from crtn.model.faiss_index import FaissRows
@@ -209,6 +210,14 @@ def check_sdpa(ctx: Ctx) -> None:
         assert spy.called == used
 
 
+def check_flex(ctx: Ctx) -> None:
+    layers_all(ctx, lambda layer: layer.dec_attn.flex)
+    for spec, used in ((ctx.on, True), (ctx.off, False)):
+        with mock.patch.object(flex_module, "rel_attention", wraps=flex_module.rel_attention) as spy:
+            steps(build(spec).eval(), tokens(1))
+        assert spy.called == used
+
+
 # ------------------------------------------------------------------ cache.*
 def check_n_slot(ctx: Ctx) -> None:
     assert build(ctx.on).init_state(2).cache.n_slot == 6
@@ -354,6 +363,13 @@ def check_query_tanh(ctx: Ctx) -> None:
         assert bool((q.abs() <= 1).all()) is bounded
 
 
+def check_per_head(ctx: Ctx) -> None:
+    """query=gate: each of the 2 heads selects its own 2 slots (the step reports the 4 slots any head
+    read); shared, the heads read the same 2."""
+    assert selections(ctx.on)[-1].slot.shape == (2, 4, 2 * 2)
+    assert selections(ctx.off)[-1].slot.shape == (2, 4, 2)
+
+
 def check_summary_name(ctx: Ctx) -> None:
     assert isinstance(build(ctx.on).summary, Mean) and build(ctx.off).summary.name == "token_max"
 
@@ -410,6 +426,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "model.proj_init_std": Wire(0.5, check_proj_init_std, extra=("model.d_embed=8",)),
     "model.layer_norm_eps": Wire(1e-3, check_layer_norm_eps),
     "model.sdpa": Wire(True, check_sdpa),
+    "model.flex": Wire(True, check_flex),
     "cache.n_slot": Wire(6, check_n_slot),
     "cache.top_k": Wire(3, check_top_k),
     "cache.alpha_norm": Wire("topk", check_alpha_norm),
@@ -429,6 +446,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "query.strategy": Wire("last_l", check_strategy, extra=(LAST_STATE,)),
     "query.detach": Wire(True, check_detach, extra=(LAST_STATE,)),
     "query.tanh": Wire(True, check_query_tanh, extra=("query.strategy=single_linear", LAST_STATE)),
+    "query.per_head": Wire(True, check_per_head, extra=("query.strategy=gate", "summary.name=mean")),
     "summary.name": Wire("mean", check_summary_name),
     "summary.d_key": Wire(6, check_d_key),
     "summary.tanh": Wire(True, check_summary_tanh, extra=("query.strategy=last_l", "summary.name=linear")),
