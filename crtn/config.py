@@ -55,13 +55,14 @@ MODELS = tuple(MODEL_CLASSES)
 STRATEGIES = tuple(STRATEGY_CLASSES)
 SUMMARIES = tuple(SUMMARY_CLASSES)
 SCHEDULERS = ("cosine", "inv_sqrt", "constant")
+OPTIMIZERS = ("adam",)  # the Trainer builds torch.optim.Adam
 
 
 @dataclass(frozen=True)
 class OptimSpec:
     """Adam with warm-up and a schedule, gradient clipping (docs/method.md §5)."""
 
-    name: str = "adam"
+    name: str = "adam"  # adam (the only optimizer; another name is refused)
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
@@ -406,12 +407,14 @@ def validate_train(cfg: Any) -> None:
 
 
 def resolve_training(optim: OptimSpec, train: TrainSpec, data: DataSpec) -> tuple[OptimSpec, TrainSpec]:
-    """``optim`` and ``train`` checked (with :func:`crtn.optim.validate_training`'s rules of the
-    authors' recipe), ``train.checkpoint_interval`` None filled with ``train.eval_interval``.
+    """``optim`` and ``train`` checked (``optim.name`` among :data:`OPTIMIZERS`; with
+    :func:`crtn.optim.validate_training`'s rules of the authors' recipe),
+    ``train.checkpoint_interval`` None filled with ``train.eval_interval``.
 
     Raises:
         ConfigError: naming the key.
     """
+    check_choice("optim.name", optim.name, OPTIMIZERS)
     check_choice("optim.scheduler", optim.scheduler, SCHEDULERS)
     if optim.lr <= 0:
         raise ConfigError(f"optim.lr={optim.lr} must be > 0")

@@ -94,6 +94,14 @@ def _cpu(x: Any) -> Any:
     return x
 
 
+def amp_context(amp: bool, device: torch.device) -> Any:
+    """The context of the training forward passes: bf16 autocast on a CUDA ``device`` when ``amp``
+    (``train.amp``), else a null context (``train.amp`` does nothing on other devices)."""
+    if amp and device.type == "cuda":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -137,11 +145,7 @@ class Trainer:
         self.validate_pending = False  # a validation was stopped by a signal: redo it on resume
         self.stop = Stop()
         self.tb = None
-        self.amp = (
-            torch.autocast(device.type, dtype=torch.bfloat16)
-            if cfg.train.amp and device.type == "cuda"
-            else nullcontext()
-        )
+        self.amp = amp_context(cfg.train.amp, device)
         self.tokens_per_step = cfg.data.batch_size * cfg.model.tgt_len
         self.loss_sum = torch.zeros((), device=device)  # training loss since the last log record
         self.loss_n = 0
@@ -564,23 +568,26 @@ class Trainer:
         if m["loss"] < p.best_valid:
             p.best_valid = m["loss"]
             save_checkpoint(self.best, self.checkpoint(with_states=False))
-            self.best_metrics = m if self.cfg.train.eval_max_step is None else None
+            # the final evaluation reuses it when it read the same segments (eval.max_step)
+            self.best_metrics = m if self.cfg.train.eval_max_step == self.cfg.eval.max_step else None
         self.last_validated = p.step
 
     def final_evaluation(self) -> dict[str, dict[str, Any]]:
         """Valid and test metrics of the best weights by validation loss (rank 0), as in the
-        Transformer-XL release; the final weights compete for ``best.pt`` first."""
+        Transformer-XL release, over the first ``eval.max_step`` segments of each split (None:
+        all); the final weights compete for ``best.pt`` first."""
         if self.last_validated != self.step and self.step > 0:
             self.validate()
         if self.best.exists():
             self.model.load_state_dict(load_checkpoint(self.best, map_location=self.device)["model"])
         final = {}
         for split in ("valid", "test"):
-            # best.pt's full validation from this process is exact (same weights, fresh memory)
+            # best.pt's validation from this process is exact (same weights, fresh memory, the
+            # same segments)
             if split == "valid" and self.best_metrics is not None:
                 final[split] = self.best_metrics
             else:
-                final[split] = self.evaluate(split, None, model=self.model)
+                final[split] = self.evaluate(split, self.cfg.eval.max_step, model=self.model)
             log.info("final %s", format_metrics(final[split]))
         return final
 

@@ -481,13 +481,13 @@ def _build(plan: _Plan) -> tuple[Vocab, dict[str, np.ndarray], dict]:
         table = _SymbolTable()
         pieces = [_read_words(f, table, plan.eos) for f in plan.files]
         symbols = table.symbols
-    else:
-        codes = _read_codes(plan.files[0], plan.reader)
-        size = int(codes.max()) + 1
-        order = _codes_in_order(codes, size)
+    else:  # one file cut by `cut`, or one per split (a word corpus read as characters)
+        codes = [_read_codes(f, plan.reader) for f in plan.files]
+        size = max(int(c.max()) for c in codes) + 1
+        order = _codes_in_order(np.concatenate(codes), size)
         lut = np.full(size, -1, dtype=np.int32)
         lut[order] = np.arange(len(order), dtype=np.int32)
-        pieces = [lut[codes]]
+        pieces = [lut[c] for c in codes]
         symbols = [chr(int(c)) for c in order]
     if plan.cut is None:
         for f, a in zip(plan.files, pieces):

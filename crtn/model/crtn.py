@@ -143,7 +143,8 @@ class CRTN(TransformerLM):
         query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
         if STRATEGIES[query.strategy].in_attention:
-            if cache.key_layer is not None:
+            # a resolved spec holds the key layer that resolution fills: resolving it again is no error
+            if cache.key_layer not in (None, _resolve_layers(replace(cache, key_layer=None), m).key_layer):
                 raise ConfigError(
                     f"cache.key_layer={cache.key_layer} applies to the query strategies, not query=gate "
                     "(each retrieving layer selects with its own input; cache.layers chooses the layers)"
