@@ -92,9 +92,8 @@ class CRTN(TransformerLM):
         # retrieval in the upper cache.layers layers only (all: the paper's model): the layers
         # below run once, shared by the query and the main pass (docs/method.md §3)
         self.retrieve_from = m.n_layer - c.layers
-        self.key_layer = (
-            c.key_layer
-        )  # the hidden layer (0: embeddings .. n: top) of keys and queries; gate: None
+        # the hidden layer (0: embeddings .. n: top) of keys and queries; None for query=gate
+        self.key_layer = c.key_layer
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
         self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach
@@ -143,8 +142,7 @@ class CRTN(TransformerLM):
         query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
         if STRATEGIES[query.strategy].in_attention:
-            # a resolved spec holds the key layer that resolution fills: resolving it again is no error
-            if cache.key_layer not in (None, _resolve_layers(replace(cache, key_layer=None), m).key_layer):
+            if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
                 raise ConfigError(
                     f"cache.key_layer={cache.key_layer} applies to the query strategies, not query=gate "
                     "(each retrieving layer selects with its own input; cache.layers chooses the layers)"
