@@ -180,10 +180,10 @@ def fill_cache(case: Case) -> None:
     cache.n_insert = n
     if cache.kv_fresh is not None:  # no kept projections: re-projected when retrieved
         cache.kv_fresh.zero_()
-    if cache.keys is not None:
-        top = cache.layer_values(cache.key_layer % cache.values.shape[0])
-        with torch.no_grad():
-            cache.keys.copy_(model.summary.key(top.to(cache.keys.dtype)))
+    if cache.keys is not None:  # each slot's key, as the model makes it when the slot enters
+        stored = cache.values.view(cache.values.shape[0], B, n, L, -1)
+        for i in range(n):
+            cache.keys[:, i] = model.slot_key(stored[:, :, i].to(cache.keys.dtype))
     if cache.backend == "faiss":
         cache._rebuild_faiss()
 

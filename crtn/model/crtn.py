@@ -424,20 +424,26 @@ class CRTN(TransformerLM):
             r = self.retrieve_from
             # every layer's states (paper); with cache.layers only those the retrieving layers read
             slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
-            key = None
-            if self.query.in_attention:  # block keys of every retrieving layer's input (gate.py)
-                first = self.layers[r].dec_attn
-                key = block_keys(
-                    cat[r : self.n_layer, :, :over], self.summary, first.pre_lnorm, first.layer_norm.eps
-                )
-            elif not self.summary.key_is_view:
-                with torch.no_grad():
-                    key = self.summary.key(cat[self.key_layer, :, :over])
+            key = self.slot_key(slot_states)
             slot_kv = None
             if cat_kv is not None and keep_slots:  # [n_kv, 2, B, H, Ls, d_h]
                 slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
             cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
         return new_mem, new_kv
+
+    def slot_key(self, stored: Tensor) -> Tensor | None:
+        """The key of a new slot from the states the cache stores of it, [n_stored, B, Ls, d]
+        (layers 0..n, or with ``cache.layers`` the retrieving layers' inputs): the summary of
+        the key layer [B, d_key]; for a gate the block keys of every retrieving layer's input
+        [B, n_ret, d] (``gate.py``); None when the key is a view of the stored states."""
+        if self.query.in_attention:
+            first = self.layers[self.retrieve_from].dec_attn
+            n_ret = self.n_layer - self.retrieve_from
+            return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
+        if self.summary.key_is_view:
+            return None
+        with torch.no_grad():
+            return self.summary.key(stored[self.key_layer - self.retrieve_from])
 
     def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
         """Memory of the query pass: S, and at least the stored states of X_{t-1} (SPEC §3 step 1)."""
