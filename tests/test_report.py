@@ -461,3 +461,42 @@ def test_cli_bad_path_prints_no_traceback(tmp_path):
     p = cli("crtn.report", [str(tmp_path / "nope")], tmp_path)
     assert p.returncode == 2
     assert p.stderr.startswith("crtn-report: error: ") and p.stderr.count("\n") == 1 and p.stdout == ""
+
+
+def test_best_of_each_search_picks_the_lowest_validation_per_configuration(tmp_path):
+    """Jobs that differ only in optim.lr form one search; its best job is the one with the lowest
+    validation loss (made by hand below), and a lone job or one that failed is not a search."""
+    sweep = tmp_path / "sweep"
+    grid = {  # (model, lr) -> valid ppl, test ppl
+        ("txl", "5e-4"): (30.0, 29.0),
+        ("txl", "1e-3"): (20.0, 19.5),
+        ("txl", "2e-3"): (25.0, 24.0),
+        ("crtn", "5e-4"): (18.0, 17.0),
+        ("crtn", "1e-3"): (22.0, 21.0),
+    }
+    for i, ((model, lr), (valid, test)) in enumerate(grid.items()):
+        results = {
+            "model": model,
+            "metric": "ppl",
+            "valid": {"loss": math.log(valid), "ppl": valid},
+            "test": {"loss": math.log(test), "ppl": test},
+        }
+        _write_job(
+            sweep / str(i),
+            [f"model={model}", f"optim.lr={lr}"],
+            _config(model, "token", 8),
+            status={"state": "done"},
+            results=results,
+        )
+    _write_job(
+        sweep / "9",
+        ["model=vanilla", "optim.lr=1e-3"],
+        _config("vanilla", "token", 0),
+        status={"state": "done"},
+        results={"model": "vanilla", "metric": "ppl", "valid": {"loss": 1.0, "ppl": 2.7}},
+    )
+    files = write_report(sweep, plots=False)
+    rows = list(csv.DictReader(open(files["search.csv"])))
+    best = {r["search"]: (r["optim.lr"], float(r["valid"]), float(r["test"]), r["jobs"]) for r in rows}
+    assert best == {"model=txl": ("1e-3", 20.0, 19.5, "3"), "model=crtn": ("5e-4", 18.0, 17.0, "2")}
+    assert "Best of each search" in files["report.md"].read_text()

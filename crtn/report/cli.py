@@ -24,7 +24,15 @@ from crtn.report.plots import (
     plot_test_bars,
     plot_valid_curves,
 )
-from crtn.report.tables import eval_table, markdown_table, metrics_of, train_table, write_csv
+from crtn.report.tables import (
+    SEARCH_KEY,
+    eval_table,
+    markdown_table,
+    metrics_of,
+    search_table,
+    train_table,
+    write_csv,
+)
 
 PROG = "crtn-report"
 
@@ -75,6 +83,11 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
     if rows:
         write_csv(out_dir / "distance_nll.csv", cols, rows)
         written["distance_nll.csv"] = out_dir / "distance_nll.csv"
+    cols, rows = search_table(train)
+    if rows:
+        write_csv(out_dir / "search.csv", cols, rows)
+        written["search.csv"] = out_dir / "search.csv"
+        sections.append(("search", cols, rows))
 
     pngs: list[str] = []
     if plots:
@@ -139,6 +152,9 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
         "",
     ]
     for kind, cols, rows in sections:
+        if kind == "search":
+            lines += _search_markdown(cols, rows)
+            continue
         group = [j for j in jobs if j.kind == kind]
         varying = {j.name: [short(o, 60) for o in j.varying] for j in group}
         if kind == "train":
@@ -155,7 +171,7 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
                 "## Evaluation runs: eval-time cache extension (`cache_extension.csv`)",
                 "",
                 "One checkpoint evaluated with different eval-time settings; range = mem_len + n_slot * tgt_len "
-                "tokens (SPEC §5).",
+                "tokens (docs/method.md §5).",
                 "",
             ]
         lines.append(markdown_table(cols, rows, varying))
@@ -167,6 +183,20 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
     for name in pngs:
         lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)
+
+
+def _search_markdown(cols: list[str], rows: list[dict]) -> list[str]:
+    """The "best of each search" section of report.md (:func:`crtn.report.tables.search_table`)."""
+    return [
+        f"## Best of each search (`search.csv`): `{SEARCH_KEY}` chosen by validation",
+        "",
+        f"Jobs that differ only in `{SEARCH_KEY}` form one search; each row is the search's best job by "
+        "validation loss (valid/test as in the training table), and every value it tried with its "
+        "validation metric.",
+        "",
+        markdown_table(cols, rows, {}),
+        "",
+    ]
 
 
 # ----------------------------------------------------------------------------- command line

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from crtn.config import dependency_range, uses_cache
-from crtn.report.jobs import Job, duration
+from crtn.report.jobs import Job, duration, split_override
 
 TRAIN_HEAD = ["job", "status", "model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len"]
 TRAIN_HEAD += ["params", "steps"]
@@ -75,6 +75,51 @@ def train_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
         row["note"] = j.note
         row["overrides"] = " ".join(j.overrides)
         rows.append({c: row.get(c) for c in cols})
+    return cols, rows
+
+
+#: the key a sweep searches over, whose best value per configuration "best of each search" reports
+SEARCH_KEY = "optim.lr"
+
+
+def search_table(jobs: list[Job], key: str = SEARCH_KEY) -> tuple[list[str], list[dict[str, Any]]]:
+    """The best of each search (a fair comparison: every configuration gets its own best value of
+    ``key`` from the same grid): finished training jobs whose overrides differ only in ``key`` form
+    one search; per search with at least two jobs, the job with the lowest validation loss, its
+    value of ``key`` and its valid and test metric. Rows in the order of the jobs.
+    """
+    groups: dict[tuple[str, ...], list[Job]] = {}
+    for j in jobs:
+        if j.kind != "train" or j.status != "done" or not isinstance((j.results or {}).get("valid"), dict):
+            continue
+        given = dict(split_override(o) for o in j.overrides)
+        if key not in given:
+            continue
+        rest = tuple(sorted(o for o in j.overrides if split_override(o)[0] != key))
+        groups.setdefault(rest, []).append(j)
+    cols = ["search", "jobs", key, "best job", "valid", "test", "metric", "tried"]
+    rows = []
+    for rest, members in groups.items():
+        if len(members) < 2:
+            continue
+        best = min(members, key=lambda j: j.results["valid"]["loss"])
+        metric = best.results.get("metric") or best.metric
+        tried = ", ".join(
+            f"{dict(split_override(o) for o in m.overrides)[key]}: {m.results['valid'].get(metric):.4g}"
+            for m in members
+        )
+        rows.append(
+            {
+                "search": " ".join(rest) or "(no other override)",
+                "jobs": len(members),
+                key: dict(split_override(o) for o in best.overrides)[key],
+                "best job": best.name,
+                "valid": best.results["valid"].get(metric),
+                "test": (best.results.get("test") or {}).get(metric),
+                "metric": metric,
+                "tried": tried,
+            }
+        )
     return cols, rows
 
 
