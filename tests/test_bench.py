@@ -149,6 +149,9 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "gate_per_head",
         "gate_per_head_layers2",
         "gate_per_head_layers1",
+        "gate_token_max",
+        "gate_token_max_layers2",
+        "gate_token_max_layers1",
     ]
     spec = {name: r["spec"] for name, r in rows.items()}
     for name in ("gate", "gate_layers1", "gate_per_head", "gate_per_head_layers2"):
