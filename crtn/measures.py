@@ -93,7 +93,7 @@ class Measures:
 
 
 class RecallSums:
-    """Passage-recall sums over a split of the synthetic corpus (SPEC §4): NLL, correct predictions
+    """Passage-recall sums over a split of the synthetic corpus (docs/method.md §4): NLL, correct predictions
     and count on ``repeat`` and ``fresh`` tokens, and where the copied source of repeat tokens lay."""
 
     def __init__(self, corpus: Any, split: str, it: Any, device: torch.device | str):
@@ -152,7 +152,7 @@ class RecallSums:
 
 
 class FreqBuckets:
-    """NLL sums and token counts per training-frequency bucket of the target word (SPEC §5)."""
+    """NLL sums and token counts per training-frequency bucket of the target word (docs/method.md §5)."""
 
     @staticmethod
     def applies(corpus: Any) -> bool:
@@ -190,7 +190,7 @@ def source_location(
     holds *the same text*: the source or any other copy of the same original passage
     (the source's own source, or another copy made from it; ``root_all``, see
     :func:`copy_roots`). A passage copied more than once appears several times in a
-    large cache, and any occurrence lets the model copy. Positions are per-stream (SPEC §4).
+    large cache, and any occurrence lets the model copy. Positions are per-stream (docs/method.md §4).
     """
     L = batch.input.shape[1]
     t0 = batch.index * model.tgt_len

@@ -17,7 +17,7 @@ on a folder holding a run refuses unless ``train.overwrite=true``; a second ``cr
 folder in use refuses (a lock, :mod:`crtn.rundir`). A non-finite loss stops the run
 before anything is saved, so the last good checkpoint stays.
 
-Training follows the Transformer-XL recipes (SPEC §5): Adam, linear warm-up then
+Training follows the Transformer-XL recipes (docs/method.md §5): Adam, linear warm-up then
 cosine / inverse-sqrt / constant, gradient clipping, gradient accumulation over batch
 chunks (``train.batch_chunk``; each chunk keeps its own streams' memory and cache).
 The loop's parts are the methods of :class:`crtn.trainer.Trainer`; this module sets a run

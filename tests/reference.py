@@ -1,6 +1,6 @@
 """Naive reference implementations for the tests.
 
-Everything here is written from the formulas of SPEC §2-3 (and seeds 000/003), with
+Everything here is written from the formulas of docs/method.md §2-3 , with
 explicit loops over tokens and batch rows, and shares nothing with ``crtn.model``
 except the parameters it reads from a built model (and its embedding/softmax
 modules, which ``test_adaptive.py`` checks separately). It is slow by design:
@@ -33,7 +33,7 @@ def _ln(x: Tensor, ln) -> Tensor:
 def attend_token(
     attn, h_j: Tensor, rows: Tensor, val_scale: Tensor, dist: Tensor, u: Tensor, v: Tensor, clamp_len: int
 ) -> Tensor:
-    """Attention of one query token over an explicit context (seed 000; SPEC §2-3).
+    """Attention of one query token over an explicit context (Dai et al. 2019, eq. A_rel; docs/method.md §2-3).
 
     A_c = (q + u).(W_kE x_c) + (q + v).(W_kR R_{dist_c});  a = sum_c softmax(A/sqrt(dh))_c * s_c W_v x_c
     where x = LN(row) for pre_lnorm else row, and s_c is the value scale (alpha for
@@ -182,7 +182,7 @@ def naive_conv(summary, top: Tensor) -> Tensor:
 
 
 def naive_summary(summary, top: Tensor, token_row: int | None) -> Tensor:
-    """A summary of Y [L, d] from its definition (SPEC §3 table; the authors' sum, weighted_sum,
+    """A summary of Y [L, d] from its definition (docs/method.md §3 table; the authors' sum, weighted_sum,
     conv); ``last_state`` takes row ``token_row`` (the last row for keys)."""
     name = summary.name
     if name == "identity":
@@ -264,7 +264,7 @@ class Slot:
 
 
 def naive_alpha(s: Tensor, top: list[int], norm: str) -> dict[int, Tensor]:
-    """Weights of the selected slots ``top`` from the (theta-scaled) scores s [n] (SPEC §3 step 2):
+    """Weights of the selected slots ``top`` from the (theta-scaled) scores s [n] (docs/method.md §3 step 2):
     ``all``: softmax over all slots; ``topk``: softmax over the selected scores; ``original``:
     k softmax of the selected entries of p = softmax(s) (the authors' code)."""
     if norm == "all":
@@ -303,7 +303,7 @@ class RowState:
 
 
 class NaiveCRTN:
-    """The CRTN recurrence of SPEC §3 for one stream, written from the definitions.
+    """The CRTN recurrence of docs/method.md §3 for one stream, written from the definitions.
 
     Uses the model's parameters and its config (strategy, summary, n_slot, top_k,
     alpha_norm, theta, weighted, pos, renew, query.detach, query.tanh). ``step`` returns the per-token NLL and, per token,
@@ -335,7 +335,7 @@ class NaiveCRTN:
         return c.key_layer if c.key_layer is not None else (self.first or self.m.n_layer)
 
     def _queries(self, tokens, r_cur, qmem, t0) -> list[Tensor]:
-        """q_j for every token (SPEC §3 table; single_linear and query.tanh from the authors' code).
+        """q_j for every token (docs/method.md §3 table; single_linear and query.tanh from the authors' code).
         ``query.detach``: no gradient into the query pass (R_cur, the fixed_length passes)."""
         m, qc = self.m, self.m.spec.query
         if qc.detach:

@@ -1,4 +1,4 @@
-"""Bad input to every console script, as a table (issue 14): each case must exit non-zero with
+"""Bad input to every console script, as a table: each case must exit non-zero with
 exactly one line on stderr, ``PROG: error: ...``, that names the file, key or value at fault,
 print no traceback, and change no file.
 

@@ -1,4 +1,4 @@
-"""Properties of the key-value cache and retrieval (SPEC §3 steps 2 and 5)."""
+"""Properties of the key-value cache and retrieval (docs/method.md §3 steps 2 and 5)."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_retrieved_product_matches_explicit_gather_and_gradcheck(mode, normalize
 
 def test_float16_cache_values_stay_within_1e3_of_float32():
     """Half-precision cached values (cache.dtype=float16) change the per-token NLL of a float32
-    model by less than 1e-3 over many segments with a full cache (issue: memory at eval)."""
+    model by less than 1e-3 over many segments with a full cache."""
     from tests.test_transformer import _segments
 
     V, L = 32, 4
@@ -288,7 +288,7 @@ def test_float16_cache_values_stay_within_1e3_of_float32():
 
 def test_backward_after_the_cache_was_renewed_raises_instead_of_wrong_gradients():
     """The retrieved-row products save the cached values for backward: a backward pass run
-    after the next segment renewed the cache in place must fail loudly (issue 13), not use
+    after the next segment renewed the cache in place must fail loudly, not use
     the new values (it used to give gradients off by up to 0.2 without an error). Unweighted
     values keep the keys out of autograd, so only the values' own check can catch it."""
     model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 2, "cache.weighted": False}).train()

@@ -1,4 +1,4 @@
-"""CRTN against the naive per-token reference (SPEC §3, "Efficient main pass").
+"""CRTN against the naive per-token reference (docs/method.md §3, "Efficient main pass").
 
 The model runs B=2 streams for several segments, long enough for the cache to fill,
 to hold fewer valid slots than top_k at first, and to evict by FIFO. The reference
@@ -21,7 +21,7 @@ from tests.reference_gate import NaiveGate
 
 V = 11
 STEPS = 7
-ATOL = 1e-9  # the SPEC asks for 1e-5; float64 agreement is far tighter
+ATOL = 1e-9  # docs/method.md §3 asks for 1e-5; float64 agreement is far tighter
 GRAD_ATOL = 1e-8  # parameter gradients, float64
 
 
@@ -114,7 +114,7 @@ def _d_key(strategy: str) -> dict:
     return {} if strategy == "gate" else {"summary.d_key": 5}
 
 
-# the authors' options (issue 13) and the retrieval options, values and gradients
+# the authors' options and the retrieval options, values and gradients
 NEW_OPTIONS = {
     "alpha_original": {"cache.alpha_norm": "original"},
     "alpha_original_theta": {"cache.alpha_norm": "original", "cache.theta": 2.5},

@@ -1,4 +1,4 @@
-"""Tests of crtn.data: vocabularies, corpora, caching, errors, the segment iterator, getdata.sh (SPEC §4).
+"""Tests of crtn.data: vocabularies, corpora, caching, errors, the segment iterator, getdata.sh (docs/method.md §4).
 
 The synthetic corpus has its own file, tests/test_synthetic.py.
 """

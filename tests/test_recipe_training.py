@@ -1,4 +1,4 @@
-"""The training features of the CRTN authors' recipe (issue 13), each off by default and checked
+"""The training features of the CRTN authors' recipe, each off by default and checked
 against a hand computation: TAR's value and its place in the loss, the embedding learning-rate
 group, Polyak averaging (the averaged weights are the mean of the weights after each step since
 the start; evaluation and best.pt use them; an interrupted run resumes them exactly), and the
@@ -161,7 +161,7 @@ def test_averaging_resumes_exactly(tmp_path):
     part.start()
     part.fit()
     part.save_last()
-    # a resume may not change train.* unless asked (issue 14); the schedule here is constant
+    # a resume may not change train.* unless asked; the schedule here is constant
     rest = make_trainer(tmp_path / "part", **keys, **{"train.max_step": 9, "train.allow_change": True})
     rest.start()
     assert rest.step == 5

@@ -11,7 +11,7 @@ from crtn.config import validate_train
 from crtn.model import build_model
 from tests.test_config import composed, flat
 
-#: issue 13 / runfn.sh, key by key
+#: the authors' runfn.sh, key by key
 RECIPE = {
     "model.n_layer": 12,
     "model.d_model": 400,

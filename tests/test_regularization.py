@@ -1,4 +1,4 @@
-"""The regularisers of the CRTN authors' recipe (issue 13), each against a hand computation:
+"""The regularisers of the CRTN authors' recipe, each against a hand computation:
 locked dropout shares one mask over time; word dropout drops whole word types; position
 embeddings pass through the same dropout in both ``cache.pos`` modes."""
 
@@ -78,7 +78,7 @@ class _Warp(nn.Module):
 @pytest.mark.parametrize("pos", ["concat", "real"])
 def test_position_embeddings_are_treated_alike_in_both_pos_modes(pos, monkeypatch):
     """In training, cache.pos=real drops out the position embeddings of retrieved rows as
-    cache.pos=concat does (issue 13): with the dropout replaced by a fixed transformation of
+    cache.pos=concat does: with the dropout replaced by a fixed transformation of
     the embeddings, both modes equal the naive reference whose sinusoids are transformed
     the same way."""
     warp = _Warp()

@@ -1,4 +1,4 @@
-"""Reliability of crtn-train's run folder and checkpoints (issue 14): exact resume with the running
+"""Reliability of crtn-train's run folder and checkpoints: exact resume with the running
 loss, no silent overwrite, no silent change of the schedule, compact checkpoints, atomic writes,
 faults (SIGKILL while writing, a full disk, a second run at once, SIGTERM during evaluation) and
 safe loading. Runs are in-process (:func:`crtn.train.train_in`) where the situation allows it."""

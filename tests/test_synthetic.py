@@ -1,4 +1,4 @@
-"""Tests of the synthetic passage-recall corpus (SPEC §4, crtn.data.synthetic)."""
+"""Tests of the synthetic passage-recall corpus (docs/method.md §4, crtn.data.synthetic)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transformer-XL (``txl``) and ``vanilla`` against independent references (SPEC §2)."""
+"""Transformer-XL (``txl``) and ``vanilla`` against independent references (docs/method.md §2)."""
 
 from __future__ import annotations
 

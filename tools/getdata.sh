@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the public language-modeling corpora into the layouts crtn reads (SPEC §4),
+# Download the public language-modeling corpora into the layouts crtn reads (docs/method.md §4),
 # like the Transformer-XL release's getdata.sh.
 #
 # usage: tools/getdata.sh [DEST] [corpus ...]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A tiny Hugging Face Transformer-XL trained on a real corpus, for the convert -> evaluate ->
-fine-tune -> generate demo of the README (transformers 4.35 is needed: the ``test`` extra,
+fine-tune -> generate demo of docs/results.md (transformers 4.35 is needed: the ``test`` extra,
 ``pip install -e ".[test]"``; later releases removed Transformer-XL).
 
     python tools/make_hf_demo.py train --data-root ../shared/data --out outputs/demo/hf --steps 1000

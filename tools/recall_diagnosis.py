@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a CRTN checkpoint trained on the passage-recall corpus (SPEC §4) loses repeat tokens.
+"""Where a CRTN checkpoint trained on the passage-recall corpus (docs/method.md §4) loses repeat tokens.
 
     python tools/recall_diagnosis.py CHECKPOINT [--split valid] [--batch-size 16]
 
@@ -10,7 +10,7 @@ next token inside one of the k segments selected for this token (a *hit*), and w
 argmax prediction right? It prints the hit rate and accuracy by the token's position in
 its copy, by copy distance (in 32-token bins), by the position j in the segment (8-token
 bins), by the source's row in its cached segment ((j + 1 - distance) mod tgt_len: row 0 is
-where a match on the row before falls in the previous slot, README "Retrieval that
+where a match on the row before falls in the previous slot, docs/results.md "Retrieval that
 scales"), and the accuracy given a hit by the weight alpha of the segment that holds the
 source (0.2-wide bins), plus the accuracy on misses.
 

@@ -1,5 +1,5 @@
 """What a paper recipe costs on this machine: seconds per training step at full size, peak memory,
-and the projected time of the whole recipe (README, "The paper recipes").
+and the projected time of the whole recipe (docs/results.md, "The paper recipes").
 
     python tools/recipe_cost.py ptb_paper crtn --out cost/ptb_crtn.json [--steps 20] [--warmup 3]
 

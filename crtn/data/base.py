@@ -18,7 +18,7 @@ SPLITS = ("train", "valid", "test")
 
 @dataclass
 class Corpus:
-    """A tokenised corpus (SPEC §4).
+    """A tokenised corpus (docs/method.md §4).
 
     Attributes:
         name: ``data.name`` (``"wt2"``, ``"ptb"``, ``"synthetic"``, ...).
@@ -36,7 +36,7 @@ class Corpus:
             ``<eos>``, inf where the source gives probability 0, which happens
             only at the first token of a repeated passage). None otherwise.
         train_counts: ``torch.int64`` tensor ``[len(vocab)]``: occurrences of each
-            id in the train split (for word-frequency buckets, SPEC §5).
+            id in the train split (for word-frequency buckets, docs/method.md §5).
         info: extra facts (JSON-friendly): token counts, cache use, and for the
             synthetic corpus the source's entropies and repeat statistics.
         source: synthetic only, the :class:`crtn.data.synthetic.MarkovSource`.

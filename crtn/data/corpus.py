@@ -1,4 +1,4 @@
-"""Corpora: reading, encoding and caching the language-modeling data sets (SPEC §4).
+"""Corpora: reading, encoding and caching the language-modeling data sets (docs/method.md §4).
 
 :func:`load_corpus` turns a ``data`` config node (the fields of
 :class:`crtn.config.DataConfig`) into a :class:`Corpus`: the vocabulary and the

@@ -1,4 +1,4 @@
-"""Segment iterator over a token stream, as in Transformer-XL but batch-first (SPEC §4).
+"""Segment iterator over a token stream, as in Transformer-XL but batch-first (docs/method.md §4).
 
 A split of N tokens is cut into ``B = batch_size`` contiguous streams of
 ``n = N // B`` tokens each (``data[:n*B].view(B, n)``; the last ``N - n*B``

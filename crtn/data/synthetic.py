@@ -1,4 +1,4 @@
-"""The synthetic passage-recall corpus (SPEC §4), generated from a seed.
+"""The synthetic passage-recall corpus (docs/method.md §4), generated from a seed.
 
 Symbols: 0 is ``<eos>``, the document separator appended after each document;
 1..V-1 (``V = vocab_size``) belong to a random sparse first-order Markov source:
@@ -247,7 +247,7 @@ def _split_stats(g: dict[str, np.ndarray], repeat_skip: int) -> dict[str, Any]:
 
 
 def make_synthetic(cfg: Any = None) -> Corpus:
-    """Generate the passage-recall corpus (module docstring; SPEC §4).
+    """Generate the passage-recall corpus (module docstring; docs/method.md §4).
 
     Args:
         cfg: an object with the fields of :class:`crtn.data.spec.SyntheticSpec`
@@ -307,7 +307,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
 
 def copy_roots(gap: torch.Tensor) -> torch.Tensor:
     """The original of every token of a synthetic split: ``gap`` [n] (copy distance of each
-    token, 0 for a token not copied; SPEC §4) -> [n] index of the token that its text was
+    token, 0 for a token not copied; docs/method.md §4) -> [n] index of the token that its text was
     first drawn at, following copies of copies back (i - gap[i], and so on). Two tokens
     hold the same copied text exactly when their roots are equal."""
     idx = torch.arange(gap.numel(), device=gap.device)

@@ -1,4 +1,4 @@
-"""Vocabulary: the mapping between symbols and integer ids (SPEC §4).
+"""Vocabulary: the mapping between symbols and integer ids (docs/method.md §4).
 
 Order of the ids (it matters for the adaptive-softmax ``cutoffs``, which assume
 that frequent symbols have small ids): the special symbols first (``<eos>`` for

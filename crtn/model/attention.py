@@ -316,7 +316,7 @@ class PositionwiseFF(nn.Module):
 
 
 class RelPartialLearnableDecoderLayer(nn.Module):
-    """One Transformer-XL layer: relative attention then feed-forward (SPEC §2).
+    """One Transformer-XL layer: relative attention then feed-forward (docs/method.md §2).
 
     ``dropout`` applies to the attention output and inside the feed-forward unless
     ``dropatt_out`` / ``dropfor`` set their own rates (the CRTN authors' recipe); ``locked``

@@ -1,4 +1,4 @@
-"""The key-value cache of past segments and top-k retrieval (SPEC §3).
+"""The key-value cache of past segments and top-k retrieval (docs/method.md §3).
 
 Per batch row the cache holds N slots. Slot i stores one past segment of Ls tokens:
 its hidden states at every layer 0..n (the value V_i), its key k_i = summary(top layer
@@ -10,12 +10,12 @@ one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
 cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
 in every row and empty slots are simply never scored.
 
-Selection (SPEC §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots,
+Selection (docs/method.md §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots,
 scaled by the temperature theta (``cache.theta``, 1 by default); the k best slots per
 token (equal scores: the most recent slot first), re-ordered by stream position (oldest first). With fewer than k valid slots,
 all valid slots are taken. The weights alpha (``cache.alpha_norm``):
 
-- ``all``: softmax over all valid slots, alpha = softmax(theta s)[top-k] (seed 003:
+- ``all``: softmax over all valid slots, alpha = softmax(theta s)[top-k] (the CRTN paper's
   topk(softmax(Q Keys^T)), the CRTN paper's equation); sums to at most 1 and shrinks as
   N grows;
 - ``topk``: softmax over the k selected scores, alpha = softmax(theta s_topk); sums to 1;
@@ -29,7 +29,7 @@ recomputes the k scores in torch, so gradients reach the query exactly as with t
 computes for ``alpha_norm=topk`` alone; ``all`` and ``original`` need every slot's score and
 are refused with faiss (:func:`resolve_cache`).
 
-Renewal (SPEC §3 step 5): ``fifo`` drops the oldest slot; ``least_used`` the slot selected
+Renewal (docs/method.md §3 step 5): ``fifo`` drops the oldest slot; ``least_used`` the slot selected
 least often since it entered; ``discard_worst`` (the authors' option) the slot with the
 lowest ratio of tokens that selected it to tokens that scored it since it entered (a
 slot not yet scored is kept). Ties go to the oldest slot.
@@ -126,7 +126,7 @@ class Selection:
 
 
 class SegmentCache:
-    """N cached segments per batch row, renewed first-in first-out (SPEC §3 step 5).
+    """N cached segments per batch row, renewed first-in first-out (docs/method.md §3 step 5).
 
     Args:
         n_slot: N, slots per row.
@@ -341,7 +341,7 @@ class SegmentCache:
         count: bool = True,
         score_fn: Callable[[Tensor], Tensor] | None = None,
     ) -> Selection:
-        """Top-k slots and weights for every token (SPEC §3 step 2).
+        """Top-k slots and weights for every token (docs/method.md §3 step 2).
 
         Args:
             query: [B, L, d_key] queries (``token_max``: [B, L, d]), scored by the cache's summary.

@@ -1,7 +1,7 @@
-"""The cache-based recurrent transformer network, CRTN (SPEC §3): Transformer-XL plus a
+"""The cache-based recurrent transformer network, CRTN (docs/method.md §3): Transformer-XL plus a
 key-value cache of the ``n_slot`` most recent segments that left the short-term memory.
 
-One step for segment X_t (SPEC §3):
+One step for segment X_t (docs/method.md §3):
 
 1. query pass: the Transformer over X_t with S (and at least X_{t-1}) as memory and no
    cache; its top layer R_cur feeds the query strategy -> q_j for every token j;
@@ -37,7 +37,7 @@ from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
 
 
 def dependency_range(mem_len: int, n_slot: int, tgt_len: int) -> int:
-    """CRTN's dependency range in tokens, m + N L (SPEC §3); Transformer-XL's is m (N = 0)."""
+    """CRTN's dependency range in tokens, m + N L (docs/method.md §3); Transformer-XL's is m (N = 0)."""
     return int(mem_len) + int(n_slot) * int(tgt_len)
 
 
@@ -446,7 +446,7 @@ class CRTN(TransformerLM):
             return self.summary.key(stored[self.key_layer - self.retrieve_from])
 
     def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
-        """Memory of the query pass: S, and at least the stored states of X_{t-1} (SPEC §3 step 1)."""
+        """Memory of the query pass: S, and at least the stored states of X_{t-1} (docs/method.md §3 step 1)."""
         mem, cache = state.mem, state.cache
         if mem is not None and mem.shape[2] >= L:
             return mem

@@ -1,12 +1,12 @@
-"""Evaluation with projected keys and values kept (issue 15).
+"""Evaluation with projected keys and values kept.
 
 At evaluation (no gradient, weights fixed) the keys W_{k,E} h and values W_v h of a row do
 not depend on where the row is attended from: relative positions enter only through the
-separate term (q + v).W_{k,R} R_{i-j} (SPEC §2), and pre-LN normalises each row on its own.
+separate term (q + v).W_{k,R} R_{i-j} (docs/method.md §2), and pre-LN normalises each row on its own.
 So the memory's keys and values (Transformer-XL and CRTN) and those of every cached slot
 (CRTN) are projected once, when the row is made, and reused at every later step instead of
 re-projecting the memory (M rows per layer and step) and folding every token's query into
-model space for its k L retrieved rows (SPEC §3, "Efficient main pass"): a retrieved row
+model space for its k L retrieved rows (docs/method.md §3, "Efficient main pass"): a retrieved row
 then costs d multiply-adds per token and product, not H d.
 
 The memory's projections are always kept at evaluation (``TransformerLM.eval_kv``); the slots'

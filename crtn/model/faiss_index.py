@@ -12,7 +12,7 @@ import numpy as np
 
 
 class FaissRows:
-    """One faiss inner-product index per batch row, for large N at evaluation (SPEC §3 backends).
+    """One faiss inner-product index per batch row, for large N at evaluation (docs/method.md §3 backends).
 
     Slots enter in FIFO order and receive sequence numbers 0, 1, 2, ...; the slot of
     sequence number s is ``s % N``. Entries are never removed from an index (HNSW

@@ -1,20 +1,20 @@
-"""Query strategies: how each token j of segment X_t builds its query q_j (SPEC §3; seed 003, "1 查询").
+"""Query strategies: how each token j of segment X_t builds its query q_j (docs/method.md §3, "Query strategies").
 
 R_cur [L, d] is the top layer of the query pass over X_t (no cache), R_prev [L, d] the
 same for X_{t-1}. Masked_j(Y) zeroes the rows of Y after token j. Every window
-W_j is L x d and q_j = summary(W_j); indices below are 1-based as in the SPEC.
+W_j is L x d and q_j = summary(W_j); indices below are 1-based as in docs/method.md.
 
-| strategy        | window W_j                                                              | seed  |
-|-----------------|-------------------------------------------------------------------------|-------|
-| fixed_length_1  | top layer of a separate pass (shared weights, no memory) over the raw   | 1.1.1 |
-|                 | tokens x_{j-L+1..j}, which span X_{t-1} and X_t                          |       |
-| fixed_length_2  | [R_prev[j+1..L]; T_j], T_j = top layer of a pass over X_t[1..j] whose   | 1.1.2 |
-|                 | memory is the stored states of X_{t-1}[j+1..L] only                      |       |
-| last_l          | rows L+1..2L of Masked_j([R_prev; R_cur])  (= Masked_j(R_cur))          | 1.2.1 |
-| middle_l        | rows j+1..j+L of [R_prev; R_cur]                                        | 1.2.2 |
-| linear          | Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur])     | 1.2.3 |
-| token           | q_j = R_cur[j] (the CRTN paper's default)                               |  —    |
-| single_linear   | q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' code)             |  —    |
+| strategy        | window W_j                                                              |
+|-----------------|-------------------------------------------------------------------------|
+| fixed_length_1  | top layer of a separate pass (shared weights, no memory) over the raw   |
+|                 | tokens x_{j-L+1..j}, which span X_{t-1} and X_t                          |
+| fixed_length_2  | [R_prev[j+1..L]; T_j], T_j = top layer of a pass over X_t[1..j] whose   |
+|                 | memory is the stored states of X_{t-1}[j+1..L] only                      |
+| last_l          | rows L+1..2L of Masked_j([R_prev; R_cur])  (= Masked_j(R_cur))          |
+| middle_l        | rows j+1..j+L of [R_prev; R_cur]                                        |
+| linear          | Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur])     |
+| token           | q_j = R_cur[j] (the CRTN paper's default)                               |
+| single_linear   | q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' code)             |
 
 ``query.tanh`` applies tanh to the queries of the strategies with their own weights
 (``linear``, ``single_linear``; the authors' code always does for both).
@@ -56,7 +56,7 @@ CoreFn = Callable[..., Tensor]  # (tokens, mem, extra_mask[, mem_kv]) -> top lay
 
 @dataclass
 class QueryInputs:
-    """What a strategy may read to build the queries of segment X_t (SPEC §3 step 1).
+    """What a strategy may read to build the queries of segment X_t (docs/method.md §3 step 1).
 
     Attributes:
         r_cur: [B, L', d] top layer of the query pass over X_t (None if not run).
@@ -161,7 +161,7 @@ def fixed_length_2_windows(
 
 
 class QueryStrategy(nn.Module):
-    """How each token's query is built (SPEC §3, "Query strategies"); base class.
+    """How each token's query is built (docs/method.md §3, "Query strategies"); base class.
 
     Args:
         seg_len: L (``linear``'s Linear_{2L->L} is built for it).
@@ -232,7 +232,7 @@ class QueryStrategy(nn.Module):
 
 
 class FixedLength1(QueryStrategy):
-    """Top layer of a memory-less pass over x_{j-L+1..j} (seed 003, 1.1.1)."""
+    """Top layer of a memory-less pass over x_{j-L+1..j} (docs/method.md §3, Query strategies)."""
 
     strategy, needs_query_pass, needs_prev_tokens = "fixed_length_1", False, True
 
@@ -242,7 +242,7 @@ class FixedLength1(QueryStrategy):
 
 
 class FixedLength2(QueryStrategy):
-    """[R_prev[j+1..L]; T_j], T_j a pass over X_t[1..j] with X_{t-1}[j+1..L] as memory (seed 003, 1.1.2)."""
+    """[R_prev[j+1..L]; T_j], T_j a pass over X_t[1..j] with X_{t-1}[j+1..L] as memory (docs/method.md §3, Query strategies)."""
 
     strategy, needs_r_prev, needs_prev_states = "fixed_length_2", True, True
 
@@ -256,7 +256,7 @@ class FixedLength2(QueryStrategy):
 
 
 class LastL(QueryStrategy):
-    """Rows L+1..2L of Masked_j([R_prev; R_cur]) (seed 003, 1.2.1)."""
+    """Rows L+1..2L of Masked_j([R_prev; R_cur]) (docs/method.md §3, Query strategies)."""
 
     strategy = "last_l"
 
@@ -282,7 +282,7 @@ class LastL(QueryStrategy):
 
 
 class MiddleL(QueryStrategy):
-    """Rows j+1..j+L of [R_prev; R_cur] (seed 003, 1.2.2)."""
+    """Rows j+1..j+L of [R_prev; R_cur] (docs/method.md §3, Query strategies)."""
 
     strategy, needs_r_prev = "middle_l", True
 
@@ -292,7 +292,7 @@ class MiddleL(QueryStrategy):
 
 
 class Linear(QueryStrategy):
-    """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (seed 003, 1.2.3)."""
+    """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (docs/method.md §3, Query strategies)."""
 
     strategy, needs_r_prev, length_bound, learned = "linear", True, True, True
 

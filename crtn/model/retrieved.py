@@ -34,7 +34,7 @@ from crtn.model.evalkv import kv_mix, kv_scores
 
 @dataclass
 class CacheContext:
-    """The segments retrieved for each token of the current segment (SPEC §3 steps 2-3).
+    """The segments retrieved for each token of the current segment (docs/method.md §3 steps 2-3).
 
     Shapes: B batch rows, L tokens, k retrieved segments per token, Ls rows per segment,
     d model width, n layers, H heads.
@@ -97,7 +97,7 @@ class _RetrievedProduct(torch.autograd.Function):
     Z is gathered chunk by chunk into a small buffer that stays in cache, and gathered
     again in backward instead of being saved: a plain gather would allocate and keep
     T*k*Ls*d values per layer (134 MB at B=16, L=64, k=2, d=256). No gradient flows to
-    the cached values (they are gradient-stopped, SPEC §3). ``values`` is saved with
+    the cached values (they are gradient-stopped, docs/method.md §3). ``values`` is saved with
     ``save_for_backward`` (no copy), so a backward pass after the cache was renewed in
     place raises autograd's "modified by an inplace operation" error instead of
     silently using the new values.
@@ -148,7 +148,7 @@ def _retrieved_chunks(values: Tensor, index: Tensor, dtype: torch.dtype, normali
 def retrieved_product(
     a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool = False, eps: float = 1e-5
 ) -> Tensor:
-    """Per-token products with the retrieved segments' rows (SPEC §3 step 3, the cache part of
+    """Per-token products with the retrieved segments' rows (docs/method.md §3 step 3, the cache part of
     the main pass), computed without materialising the gathered rows; see :class:`_RetrievedProduct`.
 
     Args:
@@ -276,7 +276,7 @@ def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, index: Tensor) -> Ten
 
 
 class RealPositions:
-    """Position term of retrieved rows at their true stream distance (``cache.pos=real``, SPEC §3).
+    """Position term of retrieved rows at their true stream distance (``cache.pos=real``, docs/method.md §3).
 
     Row r of a segment whose first token lies ``D`` tokens before the current segment's
     first token is at distance ``D + j - r`` from token j. With R = [sin, cos] and the

@@ -1,4 +1,4 @@
-"""Summaries of an L x d block of top-layer states into a cache key or a query (SPEC §3).
+"""Summaries of an L x d block of top-layer states into a cache key or a query (docs/method.md §3).
 
 | summary      | of Y in R^{L x d}                                    | d_key    | pairs with      |
 |--------------|------------------------------------------------------|----------|-----------------|
@@ -11,9 +11,8 @@
 | conv         | the authors' strided Conv1d over the flattened heads | d        | both            |
 | token_max    | keys keep all L rows; score = max_r <q, Y[r]>         | d        | token queries   |
 
-Keys are summaries of a cached segment's top layer (seed 003, "3 更新 Memory":
-3.1 identity, 3.2 linear); queries are the same summary applied to each token's
-window (seed 003, "1 查询"). Scores are scaled dot products, s = <q, k> / sqrt(d_key).
+Keys are summaries of a cached segment's top layer (docs/method.md §3, "Summaries"); queries are the same summary applied to each token's
+window (docs/method.md §3, "Query strategies"). Scores are scaled dot products, s = <q, k> / sqrt(d_key).
 ``sum``, ``weighted_sum`` and ``conv`` are the CRTN authors' options (xyz961014/longterm,
 ``CRTN/layers/cache.py``). Keys are computed without gradient when a segment enters the
 cache (as in the authors' code), so a learned summary trains only through window
@@ -139,7 +138,7 @@ class Summary(nn.Module):
         raise ValueError(f"summary={self.name} has no window query; it pairs with query=token")
 
     def score(self, query: Tensor, keys: Tensor) -> Tensor:
-        """Scaled dot-product scores of every query against every key (SPEC §3 step 2).
+        """Scaled dot-product scores of every query against every key (docs/method.md §3 step 2).
 
         Args:
             query: [B, L, d_key].
@@ -164,7 +163,7 @@ class Summary(nn.Module):
 
 
 class Identity(Summary):
-    """flat(Y), d_key = L d (seed 003, 3.1)."""
+    """flat(Y), d_key = L d (docs/method.md §3, Summaries)."""
 
     name, kinds, key_is_view, flat = "identity", (WINDOW,), True, True
 
@@ -181,7 +180,7 @@ class Identity(Summary):
 
 
 class Linear(Summary):
-    """Linear(flat(Y)) to d_key (default d), tanh optional (seed 003, 3.2); weights built for L."""
+    """Linear(flat(Y)) to d_key (default d), tanh optional (docs/method.md §3, Summaries); weights built for L."""
 
     name, kinds, length_bound = "linear", (WINDOW,), True
 

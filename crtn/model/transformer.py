@@ -1,4 +1,4 @@
-"""Transformer-XL (``txl``) and the vanilla Transformer (``vanilla``) (SPEC §2).
+"""Transformer-XL (``txl``) and the vanilla Transformer (``vanilla``) (docs/method.md §2).
 
 Batch-first throughout: tokens [B, L] -> per-token NLL [B, L] (nats) and a new
 :class:`State` that carries the recurrence to the next segment of the same streams.
@@ -94,7 +94,7 @@ class LMOutput:
 
 
 class TransformerLM(nn.Module):
-    """Transformer-XL language model (``model=txl``; SPEC §2), the base of every model here.
+    """Transformer-XL language model (``model=txl``; docs/method.md §2), the base of every model here.
 
     Parameter names follow the Transformer-XL release (``word_emb``, ``layers.i.dec_attn``,
     ``layers.i.pos_ff``, ``r_w_bias``, ``r_r_bias``, ``crit``) so that weights convert 1:1.

@@ -24,7 +24,7 @@ Files written (each only when there is something to show):
 - ``cache_extension.csv``: one row per ``crtn-eval`` job (a directory with ``eval.json``),
   sorted by checkpoint then ``n_slot``: checkpoint, step, n_slot, top_k, tgt_len, mem_len,
   ``range_tokens`` (mem_len + n_slot * tgt_len, the crtn dependency range) and the metric of
-  each evaluated split: the eval-time cache extension of SPEC §5.
+  each evaluated split: the eval-time cache extension of docs/method.md §5.
 - ``valid_curves.png``: validation metric against training step and against elapsed
   training time, one line per job (``metrics.jsonl``).
 - ``test_bars.png``: final test metric per training job (best checkpoint by validation).

@@ -455,7 +455,7 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
 
 
 def retrieval_quality(fin: dict) -> tuple[str, float] | None:
-    """What an eval job says of its retrieval (issue 11): on the passage-recall corpus the
+    """What an eval job says of its retrieval: on the passage-recall corpus the
     fraction of repeat tokens whose copy source, or another copy of the same text, was retrieved
     (older evaluations: the source only), elsewhere the mean alpha mass per token. (label, value), or None when the job has neither."""
     rep = fin.get("repeat") or {}

@@ -18,9 +18,9 @@ SOURCE_COLS = [
     "repeat_source_in_memory",
     "repeat_source_in_cache",
     "repeat_source_retrieved",
-    "repeat_copy_retrieved",  # the source or another copy of the same text (crtn-eval, issue 11)
+    "repeat_copy_retrieved",  # the source or another copy of the same text (crtn-eval)
 ]
-#: what crtn-eval says of retrieval on any corpus (issue 11): mean alpha mass per token, mean distance
+#: what crtn-eval says of retrieval on any corpus: mean alpha mass per token, mean distance
 RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
 TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
 
