@@ -15,6 +15,8 @@ W_j is L x d and q_j = summary(W_j); indices below are 1-based as in docs/method
 | linear          | Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur])     |
 | token           | q_j = R_cur[j] (the CRTN paper's default)                               |
 | single_linear   | q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' code)             |
+| gate            | none here: each retrieving layer selects with its own attention queries |
+|                 | (selection inside attention, ``gate.py``; no query pass)                |
 
 ``query.tanh`` applies tanh to the queries of the strategies with their own weights
 (``linear``, ``single_linear``; the authors' code always does for both).
