@@ -1,7 +1,7 @@
 """Corpora: reading, encoding and caching the language-modeling data sets (docs/method.md §4).
 
 :func:`load_corpus` turns a ``data`` config node (the fields of
-:class:`crtn.config.DataConfig`) into a :class:`Corpus`: the vocabulary and the
+:class:`crtn.data.spec.DataSpec`) into a :class:`Corpus`: the vocabulary and the
 train/valid/test splits as 1-D ``int64`` tensors of symbol ids.
 
 Data sets (``data.name``; the corpus folder is ``data.root / data.dir``, ``dir``
