@@ -1,0 +1,146 @@
+"""Selection inside attention (query=gate, crtn/model/gate.py) beyond the naive reference of
+tests/test_crtn_reference.py: no query pass, the stored block keys by hand, the selections of
+the retrieving layers and heads, the options' rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import crtn.model.gate as gate_module
+from crtn.config import resolve
+from crtn.errors import ConfigError
+from crtn.model import CRTN
+from tests.helpers import compose_train, tiny_model
+
+V = 11
+GATE = {"model.name": "crtn", "query.strategy": "gate"}
+
+
+def _drive(model, steps: int, seed: int = 0):
+    torch.manual_seed(seed)
+    L = model.tgt_len
+    tokens = torch.randint(0, V, (2, steps * L + 1))
+    state, out = None, None
+    for t in range(steps):
+        out = model(tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1], state)
+        state = out.state
+    return out, state
+
+
+def test_no_query_pass_each_layer_runs_once(monkeypatch):
+    """A gate step runs the layers once (the main pass); the token strategy runs them twice (a
+    query pass first), counted on the layers' forward calls."""
+    calls = {"n": 0}
+    real = torch.nn.Module.__call__
+
+    def counting(self, *a, **k):
+        if type(self).__name__ == "RelPartialLearnableDecoderLayer":
+            calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", counting)
+    for overrides, per_step in ((GATE, 2), ({"model.name": "crtn", "query.strategy": "token"}, 4)):
+        model = tiny_model(V, **{**overrides, "summary.name": "token_max"})  # 2 layers
+        calls["n"] = 0
+        _drive(
+            model, 4
+        )  # token_max's n-gram match needs R_prev: the token strategy's query pass runs from step 0
+        assert calls["n"] == per_step * 4, overrides
+
+
+@pytest.mark.parametrize("pre_lnorm", [False, True])
+@pytest.mark.parametrize("summary", ["mean", "last_state"])
+def test_block_keys_are_the_pooled_layer_inputs(summary, pre_lnorm):
+    """The cache stores, per slot and retrieving layer, the mean (or last) of the slot's rows of
+    that layer's input, parameter-free normalised for pre-LN: recomputed here from the stored
+    states by hand."""
+    model = tiny_model(V, **{**GATE, "summary.name": summary, "model.pre_lnorm": pre_lnorm})
+    _, state = _drive(model, 6)
+    cache = state.cache
+    cache.commit()
+    n_ret = model.n_layer  # every layer retrieves
+    for layer in range(n_ret):
+        rows = cache.layer_values(layer)[:, : cache.n_valid]  # [B, nv, Ls, d]
+        if pre_lnorm:
+            mu = rows.mean(-1, keepdim=True)
+            var = ((rows - mu) ** 2).mean(-1, keepdim=True)
+            rows = (rows - mu) / torch.sqrt(var + model.layers[layer].dec_attn.layer_norm.eps)
+        want = rows.mean(-2) if summary == "mean" else rows[:, :, -1]
+        torch.testing.assert_close(cache.keys[:, : cache.n_valid, layer], want, rtol=0, atol=1e-12)
+
+
+def test_each_layer_and_head_selects_on_its_own():
+    """Per head, the heads of a layer pick different slots for some tokens, and the layers
+    differ from each other: the selection is the layer's own, not one shared pass."""
+    model = tiny_model(
+        V, **{**GATE, "summary.name": "mean", "query.per_head": True, "cache.n_slot": 3, "cache.top_k": 1}
+    )
+    seen = []
+    real = gate_module.Gate.select
+
+    def spy(self, *a, **k):
+        sel = real(self, *a, **k)
+        seen.append(sel.slot.clone())
+        return sel
+
+    gate_module.Gate.select = spy
+    try:
+        _drive(model, 8, seed=3)
+    finally:
+        gate_module.Gate.select = real
+    assert seen and all(s.shape[2] == model.n_head for s in seen)  # [B, L, H, k]
+    assert any((s[:, :, 0] != s[:, :, 1]).any() for s in seen)  # two heads of a layer disagree somewhere
+    layer0, layer1 = seen[0::2], seen[1::2]  # the two retrieving layers of each step, in order
+    assert any(not torch.equal(a, b) for a, b in zip(layer0, layer1))  # and so do the layers
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["query=gate", "cache.backend=faiss", "cache.alpha_norm=topk"],
+            "cache.backend=faiss does not support query=gate",
+        ),
+        (
+            ["query=gate", "summary=token_max", "summary.d_key=8"],
+            "summary.d_key=8 applies to the query strategies",
+        ),
+        (
+            ["query=gate", "cache.key_layer=2"],
+            "cache.key_layer=2 applies to the query strategies, not query=gate",
+        ),
+        (["query.per_head=true"], "query.per_head=true applies to query=gate only"),
+        (["query=gate", "summary=linear"], "query=gate cannot be paired with summary=linear"),
+    ],
+)
+def test_gate_options_are_checked_with_one_line(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        resolve(compose_train(overrides))
+
+
+def test_resolving_a_gate_spec_again_gives_the_same_spec():
+    run = resolve(compose_train(["query=gate", "cache.layers=2", "summary=token_max"]))
+    assert run.cache.key_layer is None and run.cache.layers == 2
+    assert resolve(run) == run
+    assert isinstance(CRTN(7, run), CRTN)
+
+
+def test_lead_queries_come_from_the_memory():
+    """For token_max's n-gram match the queries before the segment are the layer's queries of
+    the memory's last rows (zeros before a stream's first segment): by hand with W_q and u."""
+    model = tiny_model(V, **{**GATE, "summary.name": "token_max", "summary.ngram": 3})
+    attn = model.layers[0].dec_attn
+    H, dh, d = attn.n_head, attn.d_head, model.d_model
+    mem = torch.randn(2, 5, d, dtype=torch.float64)
+    rw_q = torch.zeros(2, 3, H, dh, dtype=torch.float64)
+    got = attn._lead_queries(mem, rw_q, model.r_w_bias, n=2)
+    want = (F.linear(mem[:, -2:], attn.qkv_net.weight[: H * dh])).view(2, 2, H, dh) + model.r_w_bias
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    short = attn._lead_queries(mem[:, -1:], rw_q, model.r_w_bias, n=2)  # one memory row: a zero in front
+    assert torch.equal(short[:, 0], torch.zeros_like(short[:, 0]))
+    torch.testing.assert_close(short[:, 1], want[:, 1], rtol=0, atol=1e-12)
+    assert torch.equal(
+        attn._lead_queries(None, rw_q, model.r_w_bias, n=2), torch.zeros(2, 2, H, dh, dtype=torch.float64)
+    )
