@@ -400,6 +400,22 @@ class NaiveCRTN:
                 return other.key
         return None
 
+    def _shortlist(self, queries: list[Tensor]) -> set[int]:
+        """token_max's two-stage score (``summary.shortlist`` M, docs/method.md §3 "Two-stage
+        token_max"): the indices of the M slots whose pooled score <q_j, mean_r row_r> / sqrt(d_key)
+        is the best of any token j of the segment (equal scores: the most recent slot), all slots
+        without a shortlist."""
+        summary, slots = self.m.summary, self.row.slots
+        M = getattr(summary, "shortlist", None)
+        if M is None:
+            return set(range(len(slots)))
+        segment = queries[len(queries) - self.L :]  # R_prev's queries lead the n-gram window only
+        best = [
+            max(float(naive_score(summary, q, sl.key.mean(0, keepdim=True)).detach()) for q in segment)
+            for sl in slots
+        ]
+        return set(sorted(range(len(slots)), key=lambda i: (-best[i], -slots[i].pos))[:M])
+
     def step(self, tokens: Tensor, target: Tensor, t0: int):
         m, L, st = self.m, self.L, self.row
         c = m.spec.cache
@@ -422,6 +438,7 @@ class NaiveCRTN:
             queries = self._queries(tokens, r_cur, qmem, t0)
             retrieved = []
             k = min(m.top_k, len(st.slots))
+            keep = self._shortlist(queries)
             for j in range(L):
                 if m.summary.ngram > 1 or m.summary.shift > 0:
                     s = torch.stack(
@@ -429,6 +446,7 @@ class NaiveCRTN:
                     )
                 else:
                     s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
+                s = torch.stack([x if i in keep else x.new_tensor(float("-inf")) for i, x in enumerate(s)])
                 s = s * c.theta
                 # the k best; equal scores go to the most recent slot
                 top = sorted(range(len(st.slots)), key=lambda i: (-float(s[i].detach()), -st.slots[i].pos))[

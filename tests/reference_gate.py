@@ -104,19 +104,22 @@ class NaiveGate(NaiveCRTN):
                 M = 0 if mem_rows is None else mem_rows.shape[0]
                 positions.append(mem_rows[M + p] if M + p >= 0 else None)
         slots = self.row.slots
-        per_head = []
+        per_head, head_queries = [], []
         for h in range(H):
             queries = [self._head_query(attn, u, row, h) for row in positions]
             if qspec.detach:
                 queries = [q.detach() for q in queries]
+            head_queries.append(queries)
             per_head.append(torch.stack([self._block_score(attn, layer, queries, j, sl, h) for sl in slots]))
         # per_head[h]: [n_slots] (pooled keys) or [n_slots, Ls] (token_max's rows)
         groups = per_head if qspec.per_head else [sum(per_head)]  # shared: heads summed row by row
         if self.m.summary.name == "token_max":  # the best row
             groups = [g.max(-1).values for g in groups]
+        keeps = self._shortlists(attn, layer, head_queries)
         k = min(c.top_k, len(slots))
         out = []
-        for g in groups:
+        for g, keep in zip(groups, keeps):
+            g = torch.stack([x if i in keep else x.new_tensor(float("-inf")) for i, x in enumerate(g)])
             s = g * c.theta / math.sqrt(attn.d_head)
             top = sorted(range(len(slots)), key=lambda i: (-float(s[i].detach()), -slots[i].pos))[:k]
             alpha = naive_alpha(s, top, c.alpha_norm)
@@ -127,6 +130,34 @@ class NaiveGate(NaiveCRTN):
             for sl in slots:
                 sl.scored += 1
         return out if qspec.per_head else out * H
+
+    def _mean_key(self, attn, layer: int, slot: Slot, h: int) -> Tensor:
+        """Head h's mean-pooled key of ``slot``: (1/Ls) sum_r W_{k,E}^h x(z_r) [d_h]."""
+        H, dh = attn.n_head, attn.d_head
+        w_k = attn.qkv_net.weight[H * dh : 2 * H * dh]
+        keys = (self._x(attn, slot.states[layer]) @ w_k.T).view(-1, H, dh)[:, h]
+        return keys.sum(0) / keys.shape[0]
+
+    def _shortlists(self, attn, layer: int, head_queries: list) -> list[set[int]]:
+        """Per head group, the slots token_max's row match may select: with ``summary.shortlist``
+        M, the M slots whose mean-pooled score (summed over the group's heads) is the best of any
+        token of the segment (equal scores: the most recent slot); otherwise all of them."""
+        summ, slots, H = self.m.summary, self.row.slots, attn.n_head
+        n_groups = H if self.m.spec.query.per_head else 1
+        M = getattr(summ, "shortlist", None)
+        if summ.name != "token_max" or M is None:
+            return [set(range(len(slots)))] * n_groups
+        pooled = []  # per head: [L, n_slots]
+        for h, queries in enumerate(head_queries):
+            means = [self._mean_key(attn, layer, sl, h) for sl in slots]
+            segment = queries[len(queries) - self.L :]
+            pooled.append(torch.stack([torch.stack([q @ mk for mk in means]) for q in segment]))
+        groups = pooled if n_groups == H else [sum(pooled)]
+        keeps = []
+        for g in groups:
+            best = [float(x) for x in g.detach().max(0).values]
+            keeps.append(set(sorted(range(len(slots)), key=lambda i: (-best[i], -slots[i].pos))[:M]))
+        return keeps
 
     def gate_segment(self, tokens: Tensor, t0: int) -> tuple[list[Tensor], list]:
         """The main pass of one segment with selection inside attention; returns the states at

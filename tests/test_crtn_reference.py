@@ -165,6 +165,16 @@ NEW_OPTIONS = {
         # is scored against zero lead-in rows) and the model and the reference break ties apart
         "cache.n_slot": 2,
     },
+    # token_max's two-stage score: 2 of 3 slots shortlisted by their mean-pooled rows
+    "shortlist_2": {"summary.name": "token_max", "summary.shortlist": 2},
+    "shortlist_1_ngram_1_proj_k1": {
+        "summary.name": "token_max",
+        "summary.shortlist": 1,
+        "summary.ngram": 1,
+        "summary.shift": 0,
+        "summary.d_key": 6,
+        "cache.top_k": 1,
+    },
     "layers_1": {"cache.layers": 1},
     "layers_1_token_max_real": {"cache.layers": 1, "summary.name": "token_max", "cache.pos": "real"},
     "layers_1_fixed_length_2": {"cache.layers": 1, "query.strategy": "fixed_length_2", "summary.name": "max"},
@@ -229,6 +239,19 @@ GATE_OPTIONS = {
         "model.pre_lnorm": True,
     },
     "layers_1": {**GATE, "summary.name": "token_max", "cache.layers": 1},
+    "shortlist_2_per_head": {
+        **GATE,
+        "summary.name": "token_max",
+        "summary.shortlist": 2,
+        "query.per_head": True,
+    },
+    "shortlist_2_shared_pre_ln_k1": {
+        **GATE,
+        "summary.name": "token_max",
+        "summary.shortlist": 2,
+        "cache.top_k": 1,
+        "model.pre_lnorm": True,
+    },
     "layers_2_of_3_per_head": {
         **GATE,
         "summary.name": "mean",

@@ -396,6 +396,10 @@ def check_shift(ctx: Ctx) -> None:
     assert (on.shift, on.lead_rows) == (0, 3) and (off.shift, off.lead_rows) == (1, 4)
 
 
+def check_shortlist(ctx: Ctx) -> None:
+    assert (build(ctx.on).summary.shortlist, build(ctx.off).summary.shortlist) == (2, None)
+
+
 ADAPTIVE = ("model.cutoffs=[5,10]",)
 MODEL_WIRING: dict[str, Wire] = {
     "model.name": Wire("txl", check_name),
@@ -452,6 +456,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "summary.tanh": Wire(True, check_summary_tanh, extra=("query.strategy=last_l", "summary.name=linear")),
     "summary.ngram": Wire(2, check_ngram),
     "summary.shift": Wire(0, check_shift),
+    "summary.shortlist": Wire(2, check_shortlist),
 }
 
 

@@ -29,9 +29,10 @@ from dataclasses import replace
 from typing import Any
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.cache import RetrievalStats, SegmentCache, Selection
+from crtn.model.cache import SegmentCache, Selection
 from crtn.model.crtn import CRTN, CRTNState, dependency_range
 from crtn.model.query import STRATEGIES, QueryStrategy, valid_pairs, valid_summaries
+from crtn.model.retrieval_stats import RetrievalStats
 from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
 from crtn.model.summary import SUMMARIES, Summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, VanillaLM

@@ -382,6 +382,8 @@ class SegmentCache:
             keys = self.valid_keys()
             if score_fn is not None:
                 scores = score_fn(keys)  # [B, L, nv]
+            elif self.summary.shortlist is not None:  # token_max, two-stage (summary.shortlist)
+                scores = self._shortlisted_scores(query, keys)
             elif self.summary.lead_rows > 0:  # token_max's n-gram match: the rows before each slot too
                 scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.lead_rows))
             else:
@@ -389,6 +391,42 @@ class SegmentCache:
             self.select_seconds += time.perf_counter() - t_start
             return self.choose(_scaled(scores, theta), top_k=top_k, alpha_norm=alpha_norm, t0=t0, count=count)
         return self._chosen(slot, alpha, t0=t0, count=count)
+
+    def shortlist(self, pooled: Tensor, size: int) -> Tensor:
+        """The first stage of token_max's two-stage score (``summary.shortlist``, docs/method.md §3
+        "Two-stage token_max"): the ``size`` slots whose pooled score is the best of any token of
+        the segment.
+
+        Args:
+            pooled: [B, L, ..., n_valid] first-stage scores (tokens, then head groups for a gate).
+            size: M; all slots are kept when M >= n_valid.
+
+        Returns:
+            [B, ..., min(M, n_valid)] long slot indices (equal scores: the most recent slot first).
+        """
+        best = pooled.amax(1)  # [B, ..., nv]: the best score of any token of the segment
+        return self._top(best, min(size, best.shape[-1]))[1]
+
+    def _shortlisted_scores(self, query: Tensor, rows: Tensor) -> Tensor:
+        """token_max's two-stage score (``summary.shortlist``): the pooled score of every slot, then
+        the row match on the shortlisted ones; the other slots score -inf.
+
+        Args:
+            query: [B, L, d] the segment's queries.
+            rows: [B, n_valid, Ls, d] the slots' key-layer rows (``valid_keys``).
+
+        Returns:
+            [B, L, n_valid] unscaled scores.
+        """
+        assert self.keys is not None and self.summary.shortlist is not None
+        nv = rows.shape[1]
+        segment = query[:, self.summary.query_lead_rows :]  # the lead queries belong to the previous segment
+        short = self.shortlist(self.summary.pooled_score(segment, self.keys[:, :nv]), self.summary.shortlist)
+        lead = None
+        if self.summary.lead_rows > 0:
+            lead = _pick_slots(self._lead_in(rows, self.summary.lead_rows), short)
+        scores = self.summary.score(query, _pick_slots(rows, short), lead=lead)  # [B, L, M]
+        return _spread(scores, short, nv)
 
     def choose(
         self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int, count: bool = True
@@ -501,79 +539,18 @@ class SegmentCache:
         return self
 
 
+def _pick_slots(rows: Tensor, slots: Tensor) -> Tensor:
+    """rows [B, n, ...] of the given slots [B, m] -> [B, m, ...] (a copy)."""
+    index = slots.view(*slots.shape, *[1] * (rows.dim() - 2)).expand(*slots.shape, *rows.shape[2:])
+    return rows.gather(1, index)
+
+
+def _spread(scores: Tensor, slots: Tensor, n: int) -> Tensor:
+    """Scores [B, L, m] of the slots [B, m] placed among n: [B, L, n], -inf at the others."""
+    out = scores.new_full((*scores.shape[:-1], n), float("-inf"))
+    return out.scatter(-1, slots[:, None].expand(*scores.shape), scores)
+
+
 def _scaled(scores: Tensor, theta: float) -> Tensor:
     """theta * scores; theta = 1 returns the scores themselves (bit-identical to no scaling)."""
     return scores if theta == 1.0 else scores * theta
-
-
-class RetrievalStats:
-    """What retrieval did over an evaluation: histograms accumulated on device.
-
-    - distances of the selected segments, in segments (``age // seg_len``; times ``seg_len``
-      for tokens);
-    - the weights alpha: per token the total weight of its k segments (``alpha_mass``: 1
-      for ``topk``, k for ``original``, below 1 and shrinking with N for ``all``) and the
-      share of the largest weight in it (``alpha_top_share``: 1/k = spread evenly, 1 = one
-      segment takes all), each as a histogram of :data:`ALPHA_BINS` bins.
-
-    Cheap enough to leave on in evaluation: a few ``bincount`` per step, no host sync.
-    """
-
-    ALPHA_BINS = 10
-
-    def __init__(self) -> None:
-        self.hist: Tensor | None = None
-        self.seg_len = 0
-        self.n_selected = 0
-        self.mass_sum = 0.0
-        self.n_tokens = 0
-        self.share_hist: Tensor | None = None
-        self.mass_hist: Tensor | None = None
-        self.mass_max = 1.0
-
-    def update(self, age: Tensor, seg_len: int, alpha: Tensor | None = None) -> None:
-        """Count one step's selections: age [B, L, k] in tokens; alpha [B, L, k] their weights."""
-        if alpha is not None:
-            self._update_alpha(alpha.detach().float())
-        seg = (age // seg_len).reshape(-1)
-        counts = torch.bincount(seg, minlength=1)
-        if self.hist is None:
-            self.hist = counts
-        else:
-            if counts.numel() > self.hist.numel():
-                self.hist = torch.nn.functional.pad(self.hist, (0, counts.numel() - self.hist.numel()))
-            self.hist[: counts.numel()] += counts
-        self.seg_len = seg_len
-        self.n_selected += seg.numel()
-
-    def _update_alpha(self, alpha: Tensor) -> None:
-        n = self.ALPHA_BINS
-        k = alpha.shape[-1]
-        mass = alpha.sum(-1).reshape(-1)  # [B*L]
-        self.mass_max = float(max(1, k))  # alpha mass lies in [0, k] (original) or [0, 1]
-        share = (alpha.amax(-1).reshape(-1) / mass.clamp(min=1e-30)).clamp(max=1.0)
-        share_bins = torch.bincount((share * n).long().clamp(max=n - 1), minlength=n)
-        mass_bins = torch.bincount((mass / self.mass_max * n).long().clamp(max=n - 1), minlength=n)
-        self.share_hist = share_bins if self.share_hist is None else self.share_hist + share_bins
-        self.mass_hist = mass_bins if self.mass_hist is None else self.mass_hist + mass_bins
-        self.mass_sum += float(mass.sum())
-        self.n_tokens += mass.numel()
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready: ``distance_hist`` (count per distance in segments), ``seg_len``, mean
-        distance (tokens); ``alpha_mass_mean``, ``alpha_mass_hist`` (bins of width mass_max/10
-        over [0, ``alpha_mass_max``]) and ``alpha_top_share_hist`` (bins of 0.1 over [0, 1])."""
-        out: dict[str, Any] = {"distance_hist": [], "seg_len": self.seg_len, "mean_distance_tokens": None}
-        if self.hist is not None:
-            hist = self.hist.cpu().tolist()
-            total = sum(hist)
-            mean = sum(i * c for i, c in enumerate(hist)) / total * self.seg_len if total else None
-            out.update(distance_hist=hist, mean_distance_tokens=mean)
-        if self.n_tokens:
-            out.update(
-                alpha_mass_mean=self.mass_sum / self.n_tokens,
-                alpha_mass_max=self.mass_max,
-                alpha_mass_hist=self.mass_hist.cpu().tolist(),
-                alpha_top_share_hist=self.share_hist.cpu().tolist(),
-            )
-        return out

@@ -141,6 +141,10 @@ class CRTN(TransformerLM):
         cache = resolve_cache(spec.cache, summary_cls)
         query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
+        if summary.shortlist is not None and cache.top_k > summary.shortlist:
+            raise ConfigError(
+                f"cache.top_k={cache.top_k} selects more slots than summary.shortlist={summary.shortlist} keeps"
+            )
         if STRATEGIES[query.strategy].in_attention:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
                 raise ConfigError(
@@ -440,10 +444,13 @@ class CRTN(TransformerLM):
             first = self.layers[self.retrieve_from].dec_attn
             n_ret = self.n_layer - self.retrieve_from
             return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
+        top = stored[self.key_layer - self.retrieve_from]
+        if self.summary.shortlist is not None:  # token_max's first stage: the mean of the rows
+            return top.mean(-2)
         if self.summary.key_is_view:
             return None
         with torch.no_grad():
-            return self.summary.key(stored[self.key_layer - self.retrieve_from])
+            return self.summary.key(top)
 
     def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
         """Memory of the query pass: S, and at least the stored states of X_{t-1} (docs/method.md §3 step 1)."""

@@ -62,16 +62,18 @@ def block_keys(states: Tensor, summary: Summary, pre_lnorm: bool, eps: float) ->
     Args:
         states: [n_ret, B, Ls, d] the slot's inputs of the retrieving layers.
         summary: the pooling (``mean``, ``last_state``); ``token_max`` keeps the rows themselves
-            (None is returned: the cache reads its stored states).
+            (None is returned: the cache reads its stored states), and with ``summary.shortlist``
+            their mean for its first stage.
         pre_lnorm: pool n(z) (pre-LN) instead of z.
 
     Returns:
         [B, n_ret, d] or None.
     """
-    if summary.key_is_view:
+    if summary.key_is_view and summary.shortlist is None:
         return None
     x = normalized(states, eps) if pre_lnorm else states
-    return summary.key(x).transpose(0, 1)
+    pooled = x.mean(-2) if summary.key_is_view else summary.key(x)  # token_max's first stage: the mean
+    return pooled.transpose(0, 1)
 
 
 @dataclass
@@ -130,26 +132,60 @@ class Gate:
         """Unscaled block scores [B, L, G, n_valid] of folded queries qm [B, Lq, G, d] (Lq - L lead
         queries before the segment for an n-gram match)."""
         cache, nv = self.cache, self.cache.n_valid
+        L = qm.shape[1] - self.summary.query_lead_rows
+        pooled = None
+        if cache.keys is not None:  # pooled keys: [B, N, n_ret, d] -> this layer's [B, nv, d]
+            pooled = self._pooled(attn, qm[:, -L:], cache.keys[:, :nv, layer - self.first_layer])
+            if not self.summary.key_is_view:
+                return pooled
+        rows = cache.layer_values(layer - self.first_layer)[:, :nv]  # [B, nv, Ls, d]
+        if pooled is None:  # the row match on every slot
+            return self._row_scores(attn, qm, rows, None)
+        short = cache.shortlist(pooled, self.summary.shortlist)  # token_max, two-stage: [B, G, M]
+        return _spread_groups(self._row_scores(attn, qm, rows, short), short, nv)
+
+    def _pooled(self, attn: Any, qm: Tensor, keys: Tensor) -> Tensor:
+        """Scores [B, L, G, n] of qm [B, L, G, d] against pooled keys [B, n, d]: with pre-LN,
+        x = g * n(z) + b pooled linearly, (g * qm) . pooled + qm . b."""
+        keys = keys.to(qm.dtype)
+        if not attn.pre_lnorm:
+            return torch.einsum("blgd,bnd->blgn", qm, keys)
+        ln = attn.layer_norm
+        return torch.einsum("blgd,bnd->blgn", qm * ln.weight, keys) + (qm @ ln.bias)[..., None]
+
+    def _row_scores(self, attn: Any, qm: Tensor, rows: Tensor, short: Tensor | None) -> Tensor:
+        """token_max's row match (max over rows, or the n-gram match) of qm [B, Lq, G, d] against
+        rows [B, nv, Ls, d] (LayerNorm'ed for pre-LN), on every slot, or on the slots ``short``
+        [B, G, M] of each group: [B, L, G, nv or M]."""
         B, Lq, G, d = qm.shape
         ln = attn.layer_norm
-        if not self.summary.key_is_view:  # pooled keys: [B, N, n_ret, d] -> this layer's [B, nv, d]
-            assert cache.keys is not None
-            keys = cache.keys[:, :nv, layer - self.first_layer].to(qm.dtype)
-            if not attn.pre_lnorm:
-                return torch.einsum("blgd,bnd->blgn", qm, keys)
-            # x = g * n(z) + b, pooled linearly: (g * qm) . pooled + qm . b
-            return torch.einsum("blgd,bnd->blgn", qm * ln.weight, keys) + (qm @ ln.bias)[..., None]
-        # the rows themselves (token_max): max over rows, or the n-gram row match
-        rows = cache.layer_values(layer - self.first_layer)[:, :nv].to(qm.dtype)  # [B, nv, Ls, d]
         if attn.pre_lnorm:
             rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
-            lead = _per_group(cache._lead_in(rows, self.summary.lead_rows), G)
+            lead = self.cache._lead_in(rows, self.summary.lead_rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
+        rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
+        if short is not None:  # [B*G, M, ...]: each group's shortlisted slots
+            flat = short.reshape(B * G, -1)
+            rows = _gather_slots(rows, flat)
+            lead = None if lead is None else _gather_slots(lead, flat)
         w, s = self.summary.ngram, self.summary.shift
-        scores = ngram_row_scores(q, _per_group(rows, G), lead, ngram=w, shift=s)  # [B*G, L, nv]
-        return scores.view(B, G, -1, nv).transpose(1, 2)
+        scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s)  # [B*G, L, n]
+        return scores.view(B, G, -1, scores.shape[-1]).transpose(1, 2)
+
+
+def _gather_slots(x: Tensor, slots: Tensor) -> Tensor:
+    """x [G', n, ...] of the slots [G', m] -> [G', m, ...]."""
+    index = slots.view(*slots.shape, *[1] * (x.dim() - 2)).expand(*slots.shape, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def _spread_groups(scores: Tensor, short: Tensor, n: int) -> Tensor:
+    """Scores [B, L, G, m] of each group's slots ``short`` [B, G, m] among n: [B, L, G, n], -inf
+    at the slots a group's first stage left out."""
+    out = scores.new_full((*scores.shape[:-1], n), float("-inf"))
+    return out.scatter(-1, short[:, None].expand(*scores.shape), scores)
 
 
 def _per_group(x: Tensor, G: int) -> Tensor:

@@ -131,6 +131,10 @@ class SummarySpec:
     # that follows the match (the one to copy); 0: by the row itself and the ngram-1 before it;
     # None: crtn.model.summary.DEFAULT_SHIFT
     shift: int | None = None
+    # token_max: score every slot by its mean-pooled rows first and run the row match on the
+    # `shortlist` slots with the best pooled score of any token of the segment (a two-stage score
+    # whose cost grows with N only through the pooled score); None: the row match on every slot
+    shortlist: int | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class Summary(nn.Module):
     flat: bool = False  # key = flat(Y), query = flat(W): a score is a sum of per-row products
     ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
     shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
+    shortlist: int | None = None  # token_max: slots kept by the pooled first stage (``summary.shortlist``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -90,6 +91,10 @@ class Summary(nn.Module):
             raise ConfigError(f"summary.shift={spec.shift} applies to summary=token_max only, not {cls.name}")
         if spec.d_key is not None and spec.d_key <= 0:
             raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
+        if spec.shortlist is not None:
+            raise ConfigError(
+                f"summary.shortlist={spec.shortlist} applies to summary=token_max only, not {cls.name}"
+            )
         return spec
 
     @classmethod
@@ -371,6 +376,11 @@ class TokenMax(Summary):
     the copy source with every earlier use of the token, and more so the larger the cache;
     w aligned tokens make a chance match rare (docs/results.md, "Retrieval that scales").
 
+    With ``shortlist`` M (``summary.shortlist``) the score is two-stage: every slot is scored by
+    its mean-pooled rows first, <q_j, mean_r row_r> (the mean of the row scores), and the row match
+    runs on the M slots whose pooled score is the best of any token of the segment (per stream);
+    the others are not selected. The second stage then costs B L M L d whatever N is.
+
     With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
 
         score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-1-a}>
@@ -398,9 +408,10 @@ class TokenMax(Summary):
         *,
         ngram: int,
         shift: int,
+        shortlist: int | None = None,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        self.ngram, self.shift = ngram, shift
+        self.ngram, self.shift, self.shortlist = ngram, shift, shortlist
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -420,6 +431,8 @@ class TokenMax(Summary):
             raise ConfigError(f"summary.shift={shift} must be 0 or 1")
         if spec.d_key is not None and spec.d_key <= 0:
             raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
+        if spec.shortlist is not None and spec.shortlist < 1:
+            raise ConfigError(f"summary.shortlist={spec.shortlist} must be >= 1 (null: no first stage)")
         return replace(spec, ngram=ngram, shift=shift)
 
     @classmethod
@@ -432,6 +445,7 @@ class TokenMax(Summary):
             n_head=model.n_head,
             ngram=spec.ngram,
             shift=spec.shift,
+            shortlist=spec.shortlist,
         )
 
     @property
@@ -464,6 +478,13 @@ class TokenMax(Summary):
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
+
+    def pooled_score(self, query: Tensor, pooled: Tensor) -> Tensor:
+        """The first stage of ``summary.shortlist``: <q_j, mean_r row_r> / sqrt(d_key) (the mean of
+        the row scores) of the segment's queries [B, L, d] against the slots' pooled rows [B, n, d]
+        -> [B, L, n]."""
+        query, pooled = self._map(query, pooled)
+        return torch.bmm(query, pooled.transpose(1, 2)) * (1.0 / math.sqrt(self.d_key))
 
 
 def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
