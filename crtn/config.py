@@ -262,6 +262,8 @@ class BenchSpec:
     # applied over the standard sizes below (a row may override them too)
     rows: dict[str, list[str]] = field(default_factory=_table_rows)
     reference: str = "txl"  # the table row every ratio is taken against (a Transformer-XL row)
+    # the names of the rows to time (the reference is always timed); None: every row
+    only: list[str] | None = None
     # the standard sizes
     vocab: int = 256
     n_layer: int = 4
@@ -281,6 +283,8 @@ class BenchSpec:
         for key in ("sections", "strategies", "slots_scaling", "keys_retrieval"):
             object.__setattr__(self, key, tuple(getattr(self, key)))
         object.__setattr__(self, "rows", {k: tuple(v) for k, v in self.rows.items()})
+        if self.only is not None:
+            object.__setattr__(self, "only", tuple(self.only))
 
 
 #: ``bench.smoke=true``: these values replace the standard sizes and the timing settings (no peak

@@ -14,9 +14,10 @@ import torch
 
 from crtn.bench import main
 from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_cfg
-from crtn.bench.compare import compose_bench
+from crtn.bench.compare import compose_bench, compose_rows
 from crtn.bench.report import check_targets
 from crtn.config import BENCH_SMOKE, BenchSpec, spec_dict
+from crtn.errors import ConfigError
 from crtn.model import resolve_spec
 from tests.helpers import compose_train, run_main
 
@@ -195,6 +196,15 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "| row | overrides | step ms | step / txl | memory / txl | tokens/s / txl(72) | step N=80 / N=8 |"
         in md
     )
+
+
+def test_only_times_the_named_rows_and_the_reference():
+    """bench.only keeps the named rows (in bench.rows' order) and the reference; a name that is no
+    row is refused in one line naming it."""
+    spec = BenchSpec(**{**BENCH_SMOKE, "only": ["gate_layers1", "default"]})
+    assert [r.name for r in compose_rows(spec)] == ["txl", "default", "gate_layers1"]
+    with pytest.raises(ConfigError, match="bench.only: 'gate_layer1' is not one of bench.rows"):
+        compose_rows(replace(spec, only=("gate_layer1",)))
 
 
 def test_targets_are_evaluated_for_every_configuration_with_a_cache(smoke):

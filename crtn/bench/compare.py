@@ -81,18 +81,25 @@ def compose_bench(overrides: list[str]) -> Any:
 
 
 def compose_rows(s: BenchSpec) -> tuple[Row, ...]:
-    """The table's rows (``bench.rows``): each row's overrides over the standard sizes (a size the
-    row sets is the row's), composed (:func:`compose_bench`) and resolved; ``Row.large`` is the
-    same spec with ``n_slot = bench.n_slot_large`` (models with a cache).
+    """The table's rows (``bench.rows``, those named by ``bench.only`` and the reference when it
+    is set): each row's overrides over the standard sizes (a size the row sets is the row's),
+    composed (:func:`compose_bench`) and resolved; ``Row.large`` is the same spec with
+    ``n_slot = bench.n_slot_large`` (models with a cache).
 
     Raises:
         ConfigError: ``bench.rows.NAME: ...`` (an override outside the model groups, any error of
-            composition or resolution), or a ``bench.reference`` that names no row.
+            composition or resolution), or a ``bench.reference`` or ``bench.only`` entry that
+            names no row.
     """
     if s.reference not in s.rows:
         raise ConfigError(f"bench.reference={s.reference!r} is not one of bench.rows: {', '.join(s.rows)}")
+    unknown = [n for n in s.only or () if n not in s.rows]
+    if unknown:
+        raise ConfigError(f"bench.only: {unknown[0]!r} is not one of bench.rows: {', '.join(s.rows)}")
     rows = []
     for name, overrides in s.rows.items():
+        if s.only is not None and name not in s.only and name != s.reference:
+            continue
         keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
         try:
             outside = [o for o, k in zip(overrides, keys) if k.split(".")[0] not in ROW_GROUPS]
