@@ -93,7 +93,7 @@ class CacheSpec:
         None  # storage of cached values: None (the states' own) | float32 | float16 | bfloat16
     )
     # evaluation: keep each slot's projected keys and values too (exact, 2.6x the cache's memory;
-    # docs/results.md, "Evaluation with kept keys and values"); the memory's are always kept
+    # docs/results.md, "Performance"); the memory's are always kept
     eval_kv: bool = False
 
     @property

@@ -1,0 +1,67 @@
+"""Cross-references into docs/: every ``results.md, "TITLE"`` and ``method.md §N "TITLE"`` cited by
+the code, the configs, the tools and the documents names a section that exists (a citation may
+shorten a title to its beginning, and may wrap over comment lines)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = [
+    *sorted((REPO / "crtn").rglob("*.py")),
+    *sorted((REPO / "conf").rglob("*.yaml")),
+    *sorted((REPO / "tools").glob("*")),
+    *sorted((REPO / "tests").glob("*.py")),
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+]
+RESULTS = re.compile(r'results\.md,? "([^"]+)"')
+METHOD = re.compile(r'method\.md §(\d)(?:,)? "([^"]+)"')
+
+
+def headings(doc: str) -> list[str]:
+    """The titles of a document's ``##`` and ``###`` headings."""
+    text = (REPO / "docs" / doc).read_text()
+    return [m.group(1).strip() for m in re.finditer(r"^#{2,3} (.+)$", text, re.M)]
+
+
+def flat(path: Path) -> str:
+    """The file's text with line breaks and comment markers joined into spaces, so that a citation
+    wrapped over lines reads as one."""
+    return re.sub(r"\s*\n\s*(?:#+ |// |\* )?\s*", " ", path.read_text(errors="replace"))
+
+
+def citations(pattern: re.Pattern) -> list[tuple[str, tuple[str, ...]]]:
+    found = []
+    for path in SOURCES:
+        if path.is_file() and path != Path(__file__):
+            found += [(str(path.relative_to(REPO)), m.groups()) for m in pattern.finditer(flat(path))]
+    return found
+
+
+def test_citations_are_found():
+    """The scan sees the citations (a wrapped one included), so the checks below check something."""
+    assert len(citations(RESULTS)) >= 10 and len(citations(METHOD)) >= 5
+
+
+@pytest.mark.parametrize("where,title", [(w, g[0]) for w, g in citations(RESULTS)])
+def test_results_citation_names_a_section(where, title):
+    assert any(h.startswith(title) for h in headings("results.md")), f"{where}: results.md has no {title!r}"
+
+
+@pytest.mark.parametrize("where,groups", citations(METHOD))
+def test_method_citation_names_a_section(where, groups):
+    section, title = groups
+    text = (REPO / "docs" / "method.md").read_text()
+    start = text.index(f"## §{section} ")
+    end = text.find("\n## §", start + 1)
+    part = text[start : end if end > 0 else len(text)]
+    titles = [m.group(1).strip() for m in re.finditer(r"^#{3} (.+)$", part, re.M)]
+    bold = [m.group(1).rstrip(".") for m in re.finditer(r"^\*\*([^*]+)\*\*", part, re.M)]
+    assert any(t.startswith(title) for t in [*titles, *bold]), (
+        f"{where}: method.md §{section} has no {title!r}"
+    )
