@@ -424,9 +424,9 @@ class SegmentCache:
         short = self.shortlist(self.summary.pooled_score(segment, self.keys[:, :nv]), self.summary.shortlist)
         lead = None
         if self.summary.lead_rows > 0:
-            lead = _pick_slots(self._lead_in(rows, self.summary.lead_rows), short)
-        scores = self.summary.score(query, _pick_slots(rows, short), lead=lead)  # [B, L, M]
-        return _spread(scores, short, nv)
+            lead = pick_slots(self._lead_in(rows, self.summary.lead_rows), short)
+        scores = self.summary.score(query, pick_slots(rows, short), lead=lead)  # [B, L, M]
+        return spread(scores, short, nv)
 
     def choose(
         self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int, count: bool = True
@@ -539,14 +539,15 @@ class SegmentCache:
         return self
 
 
-def _pick_slots(rows: Tensor, slots: Tensor) -> Tensor:
+def pick_slots(rows: Tensor, slots: Tensor) -> Tensor:
     """rows [B, n, ...] of the given slots [B, m] -> [B, m, ...] (a copy)."""
     index = slots.view(*slots.shape, *[1] * (rows.dim() - 2)).expand(*slots.shape, *rows.shape[2:])
     return rows.gather(1, index)
 
 
-def _spread(scores: Tensor, slots: Tensor, n: int) -> Tensor:
-    """Scores [B, L, m] of the slots [B, m] placed among n: [B, L, n], -inf at the others."""
+def spread(scores: Tensor, slots: Tensor, n: int) -> Tensor:
+    """Scores [B, L, ..., m] of the slots [B, ..., m] (per stream, or per stream and head group)
+    placed among n: [B, L, ..., n], -inf at the slots not given."""
     out = scores.new_full((*scores.shape[:-1], n), float("-inf"))
     return out.scatter(-1, slots[:, None].expand(*scores.shape), scores)
 

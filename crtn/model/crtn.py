@@ -444,13 +444,7 @@ class CRTN(TransformerLM):
             first = self.layers[self.retrieve_from].dec_attn
             n_ret = self.n_layer - self.retrieve_from
             return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
-        top = stored[self.key_layer - self.retrieve_from]
-        if self.summary.shortlist is not None:  # token_max's first stage: the mean of the rows
-            return top.mean(-2)
-        if self.summary.key_is_view:
-            return None
-        with torch.no_grad():
-            return self.summary.key(top)
+        return self.summary.stored_key(stored[self.key_layer - self.retrieve_from])
 
     def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
         """Memory of the query pass: S, and at least the stored states of X_{t-1} (docs/method.md §3 step 1)."""

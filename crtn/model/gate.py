@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from crtn.model.cache import SegmentCache, Selection
+from crtn.model.cache import SegmentCache, Selection, pick_slots, spread
 from crtn.model.summary import Summary, ngram_row_scores
 
 
@@ -69,11 +69,9 @@ def block_keys(states: Tensor, summary: Summary, pre_lnorm: bool, eps: float) ->
     Returns:
         [B, n_ret, d] or None.
     """
-    if summary.key_is_view and summary.shortlist is None:
+    if not summary.stores_key:
         return None
-    x = normalized(states, eps) if pre_lnorm else states
-    pooled = x.mean(-2) if summary.key_is_view else summary.key(x)  # token_max's first stage: the mean
-    return pooled.transpose(0, 1)
+    return summary.stored_key(normalized(states, eps) if pre_lnorm else states).transpose(0, 1)
 
 
 @dataclass
@@ -142,7 +140,7 @@ class Gate:
         if pooled is None:  # the row match on every slot
             return self._row_scores(attn, qm, rows, None)
         short = cache.shortlist(pooled, self.summary.shortlist)  # token_max, two-stage: [B, G, M]
-        return _spread_groups(self._row_scores(attn, qm, rows, short), short, nv)
+        return spread(self._row_scores(attn, qm, rows, short), short, nv)
 
     def _pooled(self, attn: Any, qm: Tensor, keys: Tensor) -> Tensor:
         """Scores [B, L, G, n] of qm [B, L, G, d] against pooled keys [B, n, d]: with pre-LN,
@@ -165,27 +163,19 @@ class Gate:
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = self.cache._lead_in(rows, self.summary.lead_rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
-        rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
-        if short is not None:  # [B*G, M, ...]: each group's shortlisted slots
-            flat = short.reshape(B * G, -1)
-            rows = _gather_slots(rows, flat)
-            lead = None if lead is None else _gather_slots(lead, flat)
+        if short is None:  # every slot, the same rows for each group
+            rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
+        else:  # each group's shortlisted slots, gathered once: [B, G*M, ...] -> [B*G, M, ...]
+            rows, lead = _group_slots(rows, short), None if lead is None else _group_slots(lead, short)
         w, s = self.summary.ngram, self.summary.shift
         scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s)  # [B*G, L, n]
         return scores.view(B, G, -1, scores.shape[-1]).transpose(1, 2)
 
 
-def _gather_slots(x: Tensor, slots: Tensor) -> Tensor:
-    """x [G', n, ...] of the slots [G', m] -> [G', m, ...]."""
-    index = slots.view(*slots.shape, *[1] * (x.dim() - 2)).expand(*slots.shape, *x.shape[2:])
-    return x.gather(1, index)
-
-
-def _spread_groups(scores: Tensor, short: Tensor, n: int) -> Tensor:
-    """Scores [B, L, G, m] of each group's slots ``short`` [B, G, m] among n: [B, L, G, n], -inf
-    at the slots a group's first stage left out."""
-    out = scores.new_full((*scores.shape[:-1], n), float("-inf"))
-    return out.scatter(-1, short[:, None].expand(*scores.shape), scores)
+def _group_slots(x: Tensor, short: Tensor) -> Tensor:
+    """x [B, n, ...] of each head group's slots ``short`` [B, G, m] -> [B*G, m, ...]."""
+    B, G, m = short.shape
+    return pick_slots(x, short.reshape(B, G * m)).view(B * G, m, *x.shape[2:])
 
 
 def _per_group(x: Tensor, G: int) -> Tensor:

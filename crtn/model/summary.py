@@ -127,6 +127,20 @@ class Summary(nn.Module):
         (``token_max``: the rows themselves, [..., L, d])."""
         raise NotImplementedError
 
+    @property
+    def stores_key(self) -> bool:
+        """Whether the cache stores a vector per slot (:meth:`stored_key`); otherwise it reads
+        the slot's stored rows (``key_is_view``)."""
+        return not self.key_is_view
+
+    def stored_key(self, top: Tensor) -> Tensor | None:
+        """What the cache stores of a new slot, without gradient (docs/method.md §3 step 5): its
+        key, top [..., L, d] -> [..., d_key], or None when :attr:`stores_key` is false."""
+        if not self.stores_key:
+            return None
+        with torch.no_grad():
+            return self.key(top)
+
     def query(self, window: Tensor, token_row: Tensor) -> Tensor:
         """Query of each token from its window.
 
@@ -478,6 +492,17 @@ class TokenMax(Summary):
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
+
+    @property
+    def stores_key(self) -> bool:
+        """With ``shortlist``, the mean of a slot's rows is stored for the first stage."""
+        return self.shortlist is not None
+
+    def stored_key(self, top: Tensor) -> Tensor | None:
+        """The first stage's pooled rows of a new slot, top [..., L, d] -> [..., d] (the mean;
+        docs/method.md §3 "Two-stage token_max"), or None without ``shortlist`` (the cache reads
+        the rows themselves)."""
+        return top.mean(-2) if self.stores_key else None
 
     def pooled_score(self, query: Tensor, pooled: Tensor) -> Tensor:
         """The first stage of ``summary.shortlist``: <q_j, mean_r row_r> / sqrt(d_key) (the mean of
