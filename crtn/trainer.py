@@ -44,7 +44,8 @@ from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
 from crtn.model import build_model, with_spec
-from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, tar_penalty, total_steps
+from crtn.objective import chunk_loss, scored_tokens
+from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
 from crtn.signals import Stop, catch_signals
 
@@ -429,20 +430,22 @@ class Trainer:
             self.save_last()
 
     def train_step(self, batch: Any) -> None:
-        """One optimizer step on ``batch``, chunk by chunk (gradient accumulation)."""
+        """One optimizer step on ``batch``, chunk by chunk (gradient accumulation); the loss of
+        each chunk: :func:`crtn.objective.chunk_loss`."""
         p, chunks, bs = self.progress, self.chunks, self.chunk_bs
         p.batch_index = batch.index + 1
         x = batch.input.to(self.device, non_blocking=True)
         y = batch.target.to(self.device, non_blocking=True)
+        scored = None  # every token; else the mask of the scored tokens and their count
+        if self.corpus.train_on_labels:
+            scored = scored_tokens(batch.label, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         for c in range(chunks):
             rows = slice(c * bs, (c + 1) * bs)
             with self.dist.no_sync(self.ddp_model, last=c == chunks - 1), self.amp:
                 out = self.ddp_model(x[rows], y[rows], self.states[c])
-                loss = out.nll.float().mean() / chunks
-                nll = loss.detach()
-                if self.cfg.train.tar > 0:
-                    loss = loss + tar_penalty(out.hidden.float(), self.cfg.train.tar) / chunks
+                own = None if scored is None else (scored[0][rows], scored[1])
+                loss, nll = chunk_loss(out.nll, out.hidden, chunks=chunks, tar=self.cfg.train.tar, scored=own)
             loss.backward()
             self.states[c] = out.state
             self.loss_sum += nll

@@ -20,6 +20,7 @@ from crtn.errors import ConfigError
 from crtn.evaluate import evaluate, format_metrics
 from crtn.measures import AnswerSums, format_answers
 from crtn.model.crtn import dependency_range
+from crtn.objective import chunk_loss, scored_tokens
 from crtn.train import main as train_main
 from tests.helpers import TINY_RUN, cli, compose_train, run_main, tiny_model
 
@@ -362,6 +363,7 @@ def test_train_and_eval_report_the_answer_metrics(tmp_path):
         ({"n_pairs": 0}, "data.mqar.n_pairs=0"),
         ({"valid_tokens": 0}, "data.mqar.valid_tokens=0"),
         ({"gap_dist": "zipf"}, "data.mqar.gap_dist='zipf'"),
+        ({"train_loss": "keys"}, "data.mqar.train_loss='keys' is not one of: all, answers"),
     ],
 )
 def test_config_errors(override, key):
@@ -398,3 +400,25 @@ def test_experiment_reaches_the_longest_gap():
     assert m.n_layer * m.mem_len + m.tgt_len < data.min_gap
     assert m.tgt_len <= data.spacing
     assert train_config().data.mqar == data  # the experiment keeps the schema's corpus
+
+
+def test_answer_loss_of_chunks_by_hand():
+    """Two chunks of a step: with answers only, each chunk's NLL sum over its answers is divided
+    by the step's count, so the parts add up to the mean over the step's answers; without, each
+    chunk's mean is halved; a step without an answer has loss 0."""
+    nll = torch.tensor([[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0], [7.0, 8.0]]])  # [chunk, B, L]
+    label = torch.tensor([[0, 70], [45, 0], [0, 0], [0, 33]])  # [B = 4, L]: answers 2, 3 and 8
+    hidden = torch.zeros(2, 2, 8)
+    mask, count = scored_tokens(label)
+    assert int(count) == 3
+    parts = [
+        chunk_loss(nll[c], hidden, chunks=2, scored=(mask[2 * c : 2 * c + 2], count))[1].item()
+        for c in (0, 1)
+    ]
+    assert parts == pytest.approx([5 / 3, 8 / 3]) and sum(parts) == pytest.approx(13 / 3)
+    every = [chunk_loss(nll[c], hidden, chunks=2)[1].item() for c in (0, 1)]
+    assert every == pytest.approx([2.5 / 2, 6.5 / 2])  # the step's mean, 4.5
+    none = scored_tokens(torch.zeros(2, 2, dtype=torch.int32))
+    assert int(none[1]) == 1 and chunk_loss(nll[0], hidden, scored=none)[1].item() == 0.0
+    with pytest.raises(ValueError, match="carries no labels"):
+        scored_tokens(None)

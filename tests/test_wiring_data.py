@@ -5,8 +5,12 @@ without it (harness: tests/wiring.py). File corpora are tiny folders written by 
 
 from __future__ import annotations
 
+import copy
+from itertools import islice
+
 import numpy as np
 import pytest
+import torch
 
 from crtn.data import load_corpus
 from crtn.data.synthetic import make_source
@@ -269,6 +273,40 @@ def check_doc_len(on, off) -> None:
     assert eos_every(on, 151) and eos_every(off, 141)
 
 
+def step_losses(t, n_steps: int) -> list[tuple[float, float, float, int]]:
+    """Train ``n_steps`` steps; per step the trainer's loss, the mean NLL of the batch's answers
+    (0 without one) and of all its tokens from an independent forward pass of the same weights
+    and streams before the step, and the number of answers."""
+    out = []
+    for batch in islice(t.train_it.iterate(0), n_steps):
+        with torch.no_grad():
+            nll = t.model(batch.input, batch.target, copy.deepcopy(t.states[0])).nll
+        answers = batch.label > 0
+        before = float(t.loss_sum)
+        t.train_step(batch)
+        out.append(
+            (
+                float(t.loss_sum) - before,
+                float(nll[answers].mean()) if answers.any() else 0.0,
+                float(nll.mean()),
+                int(answers.sum()),
+            )
+        )
+    return out
+
+
+def check_train_loss(ctx) -> None:
+    """answers: each step's loss is the mean NLL of its answers only, 0 in a batch without one;
+    all (the default): of every token."""
+    for spec, answers_only in ((ctx.on, True), (ctx.off, False)):
+        t = trainer(spec, ctx.tmp / str(answers_only))
+        t.start()
+        rows = step_losses(t, 12)
+        assert {n > 0 for *_, n in rows} == {True, False}  # batches with and without answers
+        for loss, answers, every, _ in rows:
+            assert loss == pytest.approx(answers if answers_only else every, rel=1e-5, abs=1e-7)
+
+
 SYNTHETIC_WIRING: dict[str, Wire] = {
     "data.synthetic.vocab_size": Wire(30, synthetic(check_vocab_size)),
     "data.synthetic.branching": Wire(2, synthetic(check_branching)),
@@ -299,6 +337,7 @@ MQAR_WIRING: dict[str, Wire] = {
     "data.mqar.valid_tokens": Wire(700, tokens_of("valid", 700, 1500), extra=MQAR),
     "data.mqar.test_tokens": Wire(800, tokens_of("test", 800, 1500), extra=MQAR),
     "data.mqar.seed": Wire(8, check_seed, extra=MQAR),
+    "data.mqar.train_loss": Wire("answers", check_train_loss, extra=MQAR),
 }
 DATA_WIRING: dict[str, Wire] = {
     "data.name": Wire("mqar", check_name, extra=MQAR[1:]),

@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
+import crtn.objective as objective
 import crtn.trainer as trainer_module
 from crtn.app import resolve_device
 from crtn.errors import CheckpointError, ConfigError
@@ -144,7 +145,7 @@ def check_max_time(ctx: Ctx) -> None:
 def check_tar(ctx: Ctx) -> None:
     for spec, beta in ((ctx.on, 0.5), (ctx.off, None)):
         t = start(ctx, spec)
-        with mock.patch.object(trainer_module, "tar_penalty", wraps=trainer_module.tar_penalty) as spy:
+        with mock.patch.object(objective, "tar_penalty", wraps=objective.tar_penalty) as spy:
             one_step(t)
         assert [c.args[1] for c in spy.call_args_list] == ([] if beta is None else [beta])
 

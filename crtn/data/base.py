@@ -44,6 +44,9 @@ class Corpus:
             token of a copied passage the distance in tokens back to the token it
             copies, 0 elsewhere (to check what retrieval finds); ``mqar``: the
             ``labels`` tensor (an answer copies its stored value). None otherwise.
+        train_on_labels: the training loss is the mean NLL of the target tokens whose label
+            is > 0 only (``mqar`` with ``data.mqar.train_loss=answers``: the answers); False:
+            of every target token. Evaluation always scores every token.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Corpus:
     info: dict[str, Any] = field(default_factory=dict)
     source: Any = None
     repeat_gap: dict[str, torch.Tensor] | None = None
+    train_on_labels: bool = False
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{s}={len(t):,}" for s, t in self.splits.items())

@@ -47,7 +47,10 @@ document), and in particular consecutive queries need different cached segments.
 Labels: ``labels[split]`` (``int32``) holds the gap at each answer token and 0 elsewhere, so
 ``label > 0`` marks the answers; ``repeat_gap[split]`` is the same tensor (an answer copies the
 value ``gap`` tokens back). :class:`crtn.mqar_metrics.AnswerSums` reports loss and accuracy on
-the answers by gap bucket (:func:`gap_buckets`).
+the answers by gap bucket (:func:`gap_buckets`). Training scores every token by default;
+``train_loss="answers"`` sets :attr:`crtn.data.Corpus.train_on_labels`, so that the training loss
+is the mean NLL of the answers only, as Zoology trains MQAR (the other tokens are unpredictable
+by construction).
 
 Determinism: :class:`numpy.random.SeedSequence` (``seed``) spawns one stream per split. Each
 split has ``*_tokens`` tokens: whole documents, the last one truncated.
@@ -70,6 +73,8 @@ from crtn.errors import ConfigError
 EOS_IDX = 0
 #: Values of ``data.mqar.gap_dist``: the weight of a query-slot distance d is 1 or 1/d.
 GAP_DISTS = ("uniform", "log_uniform")
+#: Values of ``data.mqar.train_loss``: the training loss over every token or over the answers only.
+TRAIN_LOSSES = ("all", "answers")
 
 
 def mqar_settings(cfg: Any) -> dict[str, Any]:
@@ -120,6 +125,10 @@ def _validate(c: dict[str, Any]) -> None:
         raise bad("slot_len", f"must be >= spacing={c['spacing']}")
     if c["gap_dist"] not in GAP_DISTS:
         raise ConfigError(f"data.mqar.gap_dist={c['gap_dist']!r} is not one of: {', '.join(GAP_DISTS)}")
+    if c["train_loss"] not in TRAIN_LOSSES:
+        raise ConfigError(
+            f"data.mqar.train_loss={c['train_loss']!r} is not one of: {', '.join(TRAIN_LOSSES)}"
+        )
     if c["min_gap"] < 1 or c["max_gap"] < c["min_gap"]:
         raise ConfigError(
             f"data.mqar.min_gap={c['min_gap']} and max_gap={c['max_gap']}: need 1 <= min_gap <= max_gap"
@@ -240,7 +249,8 @@ def make_mqar(cfg: Any = None) -> Corpus:
         ``chance_acc`` (1 / n_values) and ``chance_loss`` (ln n_values, nats), ``n_values``,
         ``gap_buckets`` (:func:`gap_buckets`), ``slot_distances``, ``doc_len`` (with its
         ``<eos>``), and per split (``info["splits"][name]``) token, document and answer counts,
-        the mean gap and the answers per gap bucket.
+        the mean gap and the answers per gap bucket; ``train_on_labels`` when ``train_loss`` is
+        ``"answers"``.
 
     Raises:
         ConfigError: an invalid ``data.mqar.*`` value (named), or a ``doc_len`` too short for
@@ -280,4 +290,5 @@ def make_mqar(cfg: Any = None) -> Corpus:
         labels=gaps,
         repeat_gap=gaps,
         info=info,
+        train_on_labels=c["train_loss"] == "answers",
     )

@@ -68,6 +68,9 @@ class MqarSpec:
     valid_tokens: int = 262_144
     test_tokens: int = 262_144
     seed: int = 1234
+    # all | answers: the training loss is the mean NLL of every token, or of the answers only
+    # (Zoology's loss: the filler, keys and values are unpredictable); evaluation scores both
+    train_loss: str = "all"
 
 
 @dataclass(frozen=True)
