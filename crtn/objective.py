@@ -7,6 +7,8 @@ labelled tokens only, plus temporal activation regularisation.
   (Arora et al. 2023, "Zoology", §3 and their ``multiquery_ar.py``, whose other targets are
   ignored); filler, keys and values are unpredictable by construction (:mod:`crtn.data.mqar`).
 - **TAR** (``train.tar``; Merity et al. 2018, AWD-LSTM): :func:`crtn.optim.tar_penalty`.
+- **Selection** (``best.pt``): the validation loss on the tokens the training loss scores
+  (:func:`selection_loss`).
 
 A step of ``chunks`` chunks (gradient accumulation) sums the chunks' losses: each chunk's mean
 is divided by ``chunks`` (every chunk has as many tokens), and a scored subset is divided by
@@ -73,3 +75,18 @@ def chunk_loss(
     if tar > 0:
         loss = loss + tar_penalty(hidden.float(), tar) / chunks
     return loss, part
+
+
+def selection_loss(metrics: dict, train_on_labels: bool) -> float:
+    """The validation loss that picks ``best.pt``: on the tokens the training loss scores.
+
+    Args:
+        metrics: :func:`crtn.evaluate.evaluate`'s result on the validation split.
+        train_on_labels: :attr:`crtn.data.Corpus.train_on_labels`; the one corpus that sets it,
+            MQAR, reports its labelled tokens as ``metrics["answers"]``.
+
+    Returns:
+        ``metrics["answers"]["loss"]`` when training scores the labelled tokens (the other tokens
+        are never trained), else ``metrics["loss"]`` (nats).
+    """
+    return metrics["answers"]["loss"] if train_on_labels else metrics["loss"]

@@ -44,7 +44,7 @@ from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
 from crtn.model import build_model, with_spec
-from crtn.objective import chunk_loss, scored_tokens
+from crtn.objective import chunk_loss, scored_tokens, selection_loss
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
 from crtn.signals import Stop, catch_signals
@@ -568,8 +568,9 @@ class Trainer:
         append_jsonl(self.metrics_path, rec)
         if self.tb:
             self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
-        if m["loss"] < p.best_valid:
-            p.best_valid = m["loss"]
+        loss = selection_loss(m, self.corpus.train_on_labels)
+        if loss < p.best_valid:
+            p.best_valid = loss
             save_checkpoint(self.best, self.checkpoint(with_states=False))
             # the final evaluation reuses it when it read the same segments (eval.max_step)
             self.best_metrics = m if self.cfg.train.eval_max_step == self.cfg.eval.max_step else None

@@ -6,6 +6,8 @@ without it (harness: tests/wiring.py). File corpora are tiny folders written by 
 from __future__ import annotations
 
 import copy
+import json
+import math
 from itertools import islice
 
 import numpy as np
@@ -305,6 +307,10 @@ def check_train_loss(ctx) -> None:
         assert {n > 0 for *_, n in rows} == {True, False}  # batches with and without answers
         for loss, answers, every, _ in rows:
             assert loss == pytest.approx(answers if answers_only else every, rel=1e-5, abs=1e-7)
+        t.validate()  # best.pt is picked by the validation loss of the same tokens
+        rec = json.loads(t.metrics_path.read_text().splitlines()[-1])
+        chosen = math.log(rec["valid_answers_ppl"]) if answers_only else rec["valid_loss"]
+        assert t.progress.best_valid == pytest.approx(chosen, rel=1e-6) and t.best.exists()
 
 
 SYNTHETIC_WIRING: dict[str, Wire] = {

@@ -69,7 +69,8 @@ class MqarSpec:
     test_tokens: int = 262_144
     seed: int = 1234
     # all | answers: the training loss is the mean NLL of every token, or of the answers only
-    # (Zoology's loss: the filler, keys and values are unpredictable); evaluation scores both
+    # (Zoology's loss: the filler, keys and values are unpredictable; best.pt then by the answers'
+    # validation loss); evaluation scores both
     train_loss: str = "all"
 
 
