@@ -8,7 +8,7 @@ labelled tokens only, plus temporal activation regularisation.
   ignored); filler, keys and values are unpredictable by construction (:mod:`crtn.data.mqar`).
 - **TAR** (``train.tar``; Merity et al. 2018, AWD-LSTM): :func:`crtn.optim.tar_penalty`.
 - **Selection** (``best.pt``): the validation loss on the tokens the training loss scores
-  (:func:`selection_loss`).
+  (:func:`selection_loss`); a validation that scores none of them cannot select.
 
 A step of ``chunks`` chunks (gradient accumulation) sums the chunks' losses: each chunk's mean
 is divided by ``chunks`` (every chunk has as many tokens), and a scored subset is divided by
@@ -17,10 +17,14 @@ the step's whole count, so that the step's loss is the mean over all its scored 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 from crtn.optim import tar_penalty
+
+log = logging.getLogger(__name__)
 
 
 def scored_tokens(label: Tensor | None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -77,7 +81,7 @@ def chunk_loss(
     return loss, part
 
 
-def selection_loss(metrics: dict, train_on_labels: bool) -> float:
+def selection_loss(metrics: dict, train_on_labels: bool) -> float | None:
     """The validation loss that picks ``best.pt``: on the tokens the training loss scores.
 
     Args:
@@ -87,6 +91,17 @@ def selection_loss(metrics: dict, train_on_labels: bool) -> float:
 
     Returns:
         ``metrics["answers"]["loss"]`` when training scores the labelled tokens (the other tokens
-        are never trained), else ``metrics["loss"]`` (nats).
+        are never trained), else ``metrics["loss"]`` (nats). None, with a warning, when training
+        scores the labelled tokens and the validation held none of them (its first
+        ``train.eval_max_step`` segments end before the first answer): ``best.pt`` stays as it is.
     """
-    return metrics["answers"]["loss"] if train_on_labels else metrics["loss"]
+    if not train_on_labels:
+        return metrics["loss"]
+    answers = metrics["answers"]
+    if answers["tokens"] == 0:
+        log.warning(
+            "validation scored no answers (its first train.eval_max_step segments hold none, "
+            "or only answers whose pair lies before the stream's start): best.pt is kept as it is"
+        )
+        return None
+    return answers["loss"]

@@ -569,7 +569,7 @@ class Trainer:
         if self.tb:
             self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
         loss = selection_loss(m, self.corpus.train_on_labels)
-        if loss < p.best_valid:
+        if loss is not None and loss < p.best_valid:
             p.best_valid = loss
             save_checkpoint(self.best, self.checkpoint(with_states=False))
             # the final evaluation reuses it when it read the same segments (eval.max_step)

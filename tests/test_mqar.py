@@ -350,6 +350,33 @@ def test_train_and_eval_report_the_answer_metrics(tmp_path):
     assert "answers ppl" in e.stdout
 
 
+def test_answers_only_run_survives_a_validation_without_answers(tmp_path):
+    """Trained on the answers, a run whose periodic validation reads no answer (one segment of 4
+    tokens: every answer lies 30 or more tokens after its pair, so none is scored) keeps best.pt
+    as it is, says why, and is judged by its final evaluation over the whole split."""
+    run = tmp_path / "run"
+    p = cli(
+        "crtn.train",
+        [
+            *TINY_MQAR_RUN,
+            "data.mqar.train_loss=answers",
+            "train.max_step=6",
+            "train.eval_interval=3",
+            "train.eval_max_step=1",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    out = p.stdout + p.stderr
+    assert out.count("validation scored no answers") == 2  # steps 3 and 6
+    assert not (run / "checkpoints/best.pt").exists()
+    res = json.loads((run / "results.json").read_text())
+    assert res["valid"]["answers"]["tokens"] > 0 and res["test"]["answers"]["tokens"] > 0
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "valid_loss" in r] == [3, 6]
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
