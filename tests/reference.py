@@ -220,17 +220,26 @@ def naive_query_summary(summary, window: Tensor, token_row: int) -> Tensor:
 
 def naive_score(summary, q: Tensor, key: Tensor) -> Tensor:
     """<q, k> / sqrt(d_key); token_max: max over the key's rows (after the learned map P of
-    queries and rows when it has one)."""
+    queries and rows when it has one; with ``summary.cosine`` the cosine, unscaled)."""
     if summary.name == "token_max":
         if summary.proj_q is not None:
             q, key = summary.proj_q.weight @ q, key @ summary.proj_k.weight.T  # [d_key, d] maps
+        if summary.cosine:
+            return max(_cos(q, row) for row in key)
         return (key @ q).max() / math.sqrt(q.shape[0])
     return (q @ key) / math.sqrt(q.shape[0])
 
 
+def _cos(a: Tensor, b: Tensor) -> Tensor:
+    """cos(a, b) = <a, b> / (|a| |b|); 0 when either is zero."""
+    norm = a.norm() * b.norm()
+    return a @ b / norm if norm > 0 else (a @ b) * 0
+
+
 def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
     """token_max with ``summary.ngram`` w and ``summary.shift`` s: max over rows r of
-    (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> / sqrt(d_key), one term at a time. ``qs``: the
+    (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> / sqrt(d_key) (with ``summary.cosine`` the cosine of
+    each pair, unscaled), one term at a time. ``qs``: the
     queries of R_prev then R_cur ([L] each, j indexes R_cur); ``lead``: the predecessor slot's
     rows [Ls, d] or None (zero terms)."""
     w, shift, L = summary.ngram, summary.shift, len(qs) // 2
@@ -248,8 +257,8 @@ def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Ten
                 continue
             if summary.proj_q is not None:
                 q, row = summary.proj_q.weight @ q, summary.proj_k.weight @ row
-            total = total + q @ row
-        s = total / w / math.sqrt(summary.d_key)
+            total = total + (_cos(q, row) if summary.cosine else q @ row)
+        s = total / w if summary.cosine else total / w / math.sqrt(summary.d_key)
         best = s if best is None or s > best else best
     return best
 

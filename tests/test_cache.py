@@ -313,3 +313,19 @@ def test_retrieval_stats_alpha_histograms_by_hand():
     assert s["alpha_mass_mean"] == pytest.approx((0.40 + 0.50 + 0.08 + 0.95) / 4)
     # top shares 0.75, 0.5, 0.75, 0.5263 -> bins 7, 5, 7, 5
     assert s["alpha_top_share_hist"] == [0, 0, 0, 0, 0, 2, 0, 2, 0, 0]
+
+
+def test_cosine_token_max_scores_a_token_s_own_row_highest_by_hand():
+    """summary.cosine: the row equal to the query scores 1 even where a longer row has the larger dot
+    product (a raw <e_k, e_j> can exceed <e_k, e_k>); without it the longer row wins, /sqrt(d)."""
+    q = torch.tensor([[[1.0, 0.0]]])  # [B=1, L=1, d=2]
+    rows = torch.tensor([[[[1.0, 0.0]], [[3.0, 1.0]]]])  # [B, N=2 slots, Ls=1, d]: the token, a longer row
+    plain = make_summary("token_max", 1, 2, ngram=1, shift=0)
+    cosine = make_summary("token_max", 1, 2, ngram=1, shift=0, cosine=True)
+    torch.testing.assert_close(plain.score(q, rows), torch.tensor([[[1.0, 3.0]]]) / 2**0.5)
+    torch.testing.assert_close(cosine.score(q, rows), torch.tensor([[[1.0, 3.0 / 10**0.5]]]))
+    # the lead-in row (shift 1) is normalised too: slot 0 keyed by its zero predecessor scores 0
+    shifted = make_summary("token_max", 1, 2, ngram=1, shift=1, cosine=True)
+    # [B, N, 1, d]: slot 0 has no predecessor, slot 1's is the token, twice as long
+    lead = torch.tensor([[[[0.0, 0.0]], [[2.0, 0.0]]]])
+    torch.testing.assert_close(shifted.score(q, rows, lead=lead), torch.tensor([[[0.0, 1.0]]]))

@@ -150,6 +150,10 @@ def test_recall_long_reaches_its_farthest_copy():
             "summary.shortlist=4 applies to summary=token_max",
         ),
         (["summary.shortlist=1"], "cache.top_k=2 selects more slots than summary.shortlist=1 keeps"),
+        (
+            ["summary=mean", "query=last_l", "summary.cosine=true"],
+            "summary.cosine=true applies to summary=token_max",
+        ),
     ],
 )
 def test_ngram_validation_names_the_key(overrides, needle):

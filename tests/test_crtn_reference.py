@@ -175,6 +175,26 @@ NEW_OPTIONS = {
         "summary.d_key": 6,
         "cache.top_k": 1,
     },
+    # cosine scores: the embeddings' n-gram match (key_layer 0), the learned maps with a shortlist,
+    # and alpha over all slots at a temperature (the scores no longer divided by sqrt(d_key))
+    "cosine_ngram_2_shift_1_key_layer_0": {
+        "summary.name": "token_max",
+        "summary.cosine": True,
+        "summary.ngram": 2,
+        "summary.shift": 1,
+        "cache.key_layer": 0,
+        "cache.n_slot": 2,  # as in shift_1_ngram_2_proj_discard_worst: no tie at a zero lead-in
+    },
+    "cosine_proj_shortlist_1_k1": {
+        "summary.name": "token_max",
+        "summary.cosine": True,
+        "summary.d_key": 6,
+        "summary.shortlist": 1,
+        "summary.ngram": 1,
+        "summary.shift": 0,
+        "cache.top_k": 1,
+    },
+    "cosine_theta": {"summary.name": "token_max", "summary.cosine": True, "cache.theta": 4.0},
     "layers_1": {"cache.layers": 1},
     "layers_1_token_max_real": {"cache.layers": 1, "summary.name": "token_max", "cache.pos": "real"},
     "layers_1_fixed_length_2": {"cache.layers": 1, "query.strategy": "fixed_length_2", "summary.name": "max"},

@@ -108,6 +108,10 @@ def test_each_layer_and_head_selects_on_its_own():
             "summary.d_key=8 applies to the query strategies",
         ),
         (
+            ["query=gate", "summary=token_max", "summary.cosine=true"],
+            "summary.cosine=true applies to the query strategies, not query=gate",
+        ),
+        (
             ["query=gate", "cache.key_layer=2"],
             "cache.key_layer=2 applies to the query strategies, not query=gate",
         ),

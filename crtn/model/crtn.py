@@ -158,6 +158,11 @@ class CRTN(TransformerLM):
                     f"summary.d_key={summary.d_key} applies to the query strategies, not query=gate (it scores "
                     "with each layer's own projections)"
                 )
+            if summary.cosine:
+                raise ConfigError(
+                    "summary.cosine=true applies to the query strategies, not query=gate (it scores with each "
+                    "layer's own projections)"
+                )
         gate = STRATEGIES[query.strategy].in_attention
         return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 

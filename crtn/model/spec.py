@@ -135,6 +135,9 @@ class SummarySpec:
     # `shortlist` slots with the best pooled score of any token of the segment (a two-stage score
     # whose cost grows with N only through the pooled score); None: the row match on every slot
     shortlist: int | None = None
+    # token_max: score by cosine similarity (queries and rows L2-normalised after the d_key maps, no
+    # 1/sqrt(d_key)), so a row equal to the query scores 1, the most any row can, whatever the norms
+    cosine: bool = False
 
 
 @dataclass(frozen=True)

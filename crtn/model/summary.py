@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.spec import ModelSpec, SummarySpec
@@ -70,6 +71,7 @@ class Summary(nn.Module):
     ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
     shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
     shortlist: int | None = None  # token_max: slots kept by the pooled first stage (``summary.shortlist``)
+    cosine: bool = False  # token_max: cosine scores (``summary.cosine``)
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -95,6 +97,8 @@ class Summary(nn.Module):
             raise ConfigError(
                 f"summary.shortlist={spec.shortlist} applies to summary=token_max only, not {cls.name}"
             )
+        if spec.cosine:
+            raise ConfigError(f"summary.cosine=true applies to summary=token_max only, not {cls.name}")
         return spec
 
     @classmethod
@@ -395,6 +399,17 @@ class TokenMax(Summary):
     runs on the M slots whose pooled score is the best of any token of the segment (per stream);
     the others are not selected. The second stage then costs B L M L d whatever N is.
 
+    With ``cosine`` (``summary.cosine``) every query and row is L2-normalised (after the maps P_q,
+    P_k, if any) and the score is not divided by sqrt(d_key):
+
+        score(q_j, slot) = max_r (1/w) sum_{a<w} cos(q_{j-a}, row_{r-s-a})
+
+    so a row equal to the query scores 1, the most any row can: with ``cache.key_layer=0`` (the
+    embeddings) the slot holding the query's own token, or its n-gram, always wins, whatever the
+    norms of the embedding (a raw dot product <e_k, e_j> can exceed <e_k, e_k>). A zero row (no
+    predecessor) scores 0. The scores lie in [-1, 1]; ``cache.theta`` sets the sharpness of alpha
+    (docs/method.md §3, "Summaries"). Normalising reads and writes every scored row once more.
+
     With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
 
         score(q_j, slot) = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-1-a}>
@@ -406,6 +421,7 @@ class TokenMax(Summary):
 
     Args (beyond :class:`Summary`'s):
         ngram: w, aligned tokens per score (``summary.ngram``, resolved); shift: s, 0 or 1.
+        shortlist: M, slots kept by the pooled first stage, or None; cosine: cosine scores.
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE), True, True
@@ -423,9 +439,10 @@ class TokenMax(Summary):
         ngram: int,
         shift: int,
         shortlist: int | None = None,
+        cosine: bool = False,
     ):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        self.ngram, self.shift, self.shortlist = ngram, shift, shortlist
+        self.ngram, self.shift, self.shortlist, self.cosine = ngram, shift, shortlist, cosine
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -460,6 +477,7 @@ class TokenMax(Summary):
             ngram=spec.ngram,
             shift=spec.shift,
             shortlist=spec.shortlist,
+            cosine=spec.cosine,
         )
 
     @property
@@ -473,25 +491,35 @@ class TokenMax(Summary):
     def key(self, top: Tensor) -> Tensor:
         return top
 
+    @property
+    def scale(self) -> float:
+        """The factor of every score: 1/sqrt(d_key), or 1 for cosine scores."""
+        return 1.0 if self.cosine else 1.0 / math.sqrt(self.d_key)
+
+    def _map_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows (or pooled rows, or the lead-in) as scored: P_k rows; unit length with ``cosine``."""
+        rows = rows.to(dtype) if self.proj_k is None else self.proj_k(rows.to(dtype))
+        return F.normalize(rows, dim=-1) if self.cosine else rows
+
     def _map(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        keys = keys.to(query.dtype)
-        if self.proj_q is None:
-            return query, keys
-        return self.proj_q(query), self.proj_k(keys)
+        if self.proj_q is not None:
+            query = self.proj_q(query)
+        if self.cosine:
+            query = F.normalize(query, dim=-1)
+        return query, self._map_rows(keys, query.dtype)
 
     def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
         ``lead`` [B, n, w-1+s, d] the rows before each slot (s = shift; needed when w-1+s > 0;
-        SegmentCache._lead_in): :func:`ngram_row_scores` / sqrt(d_key)."""
+        SegmentCache._lead_in): :func:`ngram_row_scores` times :attr:`scale`."""
+        lead = None if lead is None else self._map_rows(lead, query.dtype)
         query, keys = self._map(query, keys)
-        if lead is not None:
-            lead = lead.to(query.dtype) if self.proj_k is None else self.proj_k(lead.to(query.dtype))
         scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift)
-        return scores * (1.0 / math.sqrt(self.d_key))
+        return scores * self.scale
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
-        return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * (1.0 / math.sqrt(self.d_key))
+        return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * self.scale
 
     @property
     def stores_key(self) -> bool:
@@ -506,10 +534,10 @@ class TokenMax(Summary):
 
     def pooled_score(self, query: Tensor, pooled: Tensor) -> Tensor:
         """The first stage of ``summary.shortlist``: <q_j, mean_r row_r> / sqrt(d_key) (the mean of
-        the row scores) of the segment's queries [B, L, d] against the slots' pooled rows [B, n, d]
-        -> [B, L, n]."""
+        the row scores; with ``cosine`` the cosine of q_j and the mean row) of the segment's queries
+        [B, L, d] against the slots' pooled rows [B, n, d] -> [B, L, n]."""
         query, pooled = self._map(query, pooled)
-        return torch.bmm(query, pooled.transpose(1, 2)) * (1.0 / math.sqrt(self.d_key))
+        return torch.bmm(query, pooled.transpose(1, 2)) * self.scale
 
 
 def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
