@@ -239,9 +239,8 @@ def _cos(a: Tensor, b: Tensor) -> Tensor:
 def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
     """token_max with ``summary.ngram`` w and ``summary.shift`` s: max over rows r of
     (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> / sqrt(d_key) (with ``summary.cosine`` the cosine of
-    each pair, unscaled), one term at a time. ``qs``: the
-    queries of R_prev then R_cur ([L] each, j indexes R_cur); ``lead``: the predecessor slot's
-    rows [Ls, d] or None (zero terms)."""
+    each pair, unscaled), one term at a time. ``qs``: the queries of R_prev then R_cur ([L]
+    each, j indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms)."""
     w, shift, L = summary.ngram, summary.shift, len(qs) // 2
     Ls, d = rows.shape
     best = None
