@@ -400,6 +400,15 @@ def check_shortlist(ctx: Ctx) -> None:
     assert (build(ctx.on).summary.shortlist, build(ctx.off).summary.shortlist) == (2, None)
 
 
+def check_cosine(ctx: Ctx) -> None:
+    """A row five times the query scores its cosine, 1, with the option; 5 |q|^2 / sqrt(d) without."""
+    q = torch.randn(1, 1, 16)
+    rows = 5 * q[:, :, None, None, :]  # [B, L, k=1, rows=1, d]
+    on, off = build(ctx.on).summary.score_selected(q, rows), build(ctx.off).summary.score_selected(q, rows)
+    torch.testing.assert_close(on, torch.ones(1, 1, 1))
+    torch.testing.assert_close(off, 5 * q.pow(2).sum().view(1, 1, 1) / 4)
+
+
 ADAPTIVE = ("model.cutoffs=[5,10]",)
 MODEL_WIRING: dict[str, Wire] = {
     "model.name": Wire("txl", check_name),
@@ -457,6 +466,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "summary.ngram": Wire(2, check_ngram),
     "summary.shift": Wire(0, check_shift),
     "summary.shortlist": Wire(2, check_shortlist),
+    "summary.cosine": Wire(True, check_cosine),
 }
 
 
