@@ -145,7 +145,8 @@ class CRTN(TransformerLM):
             raise ConfigError(
                 f"cache.top_k={cache.top_k} selects more slots than summary.shortlist={summary.shortlist} keeps"
             )
-        if STRATEGIES[query.strategy].in_attention:
+        gate = STRATEGIES[query.strategy].in_attention
+        if gate:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
                 raise ConfigError(
                     f"cache.key_layer={cache.key_layer} applies to the query strategies, not query=gate "
@@ -153,17 +154,15 @@ class CRTN(TransformerLM):
                 )
             if cache.backend == "faiss":
                 raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
-            if summary.d_key is not None:
-                raise ConfigError(
-                    f"summary.d_key={summary.d_key} applies to the query strategies, not query=gate (it scores "
-                    "with each layer's own projections)"
-                )
-            if summary.cosine:
-                raise ConfigError(
-                    "summary.cosine=true applies to the query strategies, not query=gate (it scores with each "
-                    "layer's own projections)"
-                )
-        gate = STRATEGIES[query.strategy].in_attention
+            for key, value in (
+                ("summary.d_key", summary.d_key),
+                ("summary.cosine", "true" if summary.cosine else None),
+            ):
+                if value is not None:
+                    raise ConfigError(
+                        f"{key}={value} applies to the query strategies, not query=gate (it scores with each "
+                        "layer's own projections)"
+                    )
         return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:

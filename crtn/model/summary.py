@@ -85,20 +85,20 @@ class Summary(nn.Module):
         ``token_max`` has ``ngram`` and ``shift`` (None here: they do not apply).
 
         Raises:
-            ConfigError: ``summary.ngram`` other than 1 or ``summary.shift`` other than 0.
+            ConfigError: ``summary.d_key`` <= 0; ``summary.ngram`` other than 1, ``summary.shift``
+                other than 0, ``summary.shortlist`` or ``summary.cosine`` set (token_max's options).
         """
-        if spec.ngram not in (None, 1):
-            raise ConfigError(f"summary.ngram={spec.ngram} applies to summary=token_max only, not {cls.name}")
-        if spec.shift not in (None, 0):
-            raise ConfigError(f"summary.shift={spec.shift} applies to summary=token_max only, not {cls.name}")
         if spec.d_key is not None and spec.d_key <= 0:
             raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
-        if spec.shortlist is not None:
-            raise ConfigError(
-                f"summary.shortlist={spec.shortlist} applies to summary=token_max only, not {cls.name}"
-            )
-        if spec.cosine:
-            raise ConfigError(f"summary.cosine=true applies to summary=token_max only, not {cls.name}")
+        token_max_only = {  # option: (its value, the values that leave it off)
+            "ngram": (spec.ngram, (None, 1)),
+            "shift": (spec.shift, (None, 0)),
+            "shortlist": (spec.shortlist, (None,)),
+            "cosine": ("true" if spec.cosine else None, (None,)),
+        }
+        for key, (value, off) in token_max_only.items():
+            if value not in off:
+                raise ConfigError(f"summary.{key}={value} applies to summary=token_max only, not {cls.name}")
         return spec
 
     @classmethod
