@@ -463,9 +463,17 @@ def test_cli_bad_path_prints_no_traceback(tmp_path):
     assert p.stderr.startswith("crtn-report: error: ") and p.stderr.count("\n") == 1 and p.stdout == ""
 
 
+def _finished(d: Path, overrides: list[str], model: str, valid: float, test: float | None) -> None:
+    """A finished training job with the given valid and test perplexities (test None: none)."""
+    results = {"model": model, "metric": "ppl", "valid": {"loss": math.log(valid), "ppl": valid}}
+    if test is not None:
+        results["test"] = {"loss": math.log(test), "ppl": test}
+    _write_job(d, overrides, _config(model, "token", 8), status={"state": "done"}, results=results)
+
+
 def test_best_of_each_search_picks_the_lowest_validation_per_configuration(tmp_path):
     """Jobs that differ only in optim.lr form one search; its best job is the one with the lowest
-    validation loss (made by hand below), and a lone job or one that failed is not a search."""
+    validation loss (made by hand below), and a lone job is not a search."""
     sweep = tmp_path / "sweep"
     grid = {  # (model, lr) -> valid ppl, test ppl
         ("txl", "5e-4"): (30.0, 29.0),
@@ -475,28 +483,43 @@ def test_best_of_each_search_picks_the_lowest_validation_per_configuration(tmp_p
         ("crtn", "1e-3"): (22.0, 21.0),
     }
     for i, ((model, lr), (valid, test)) in enumerate(grid.items()):
-        results = {
-            "model": model,
-            "metric": "ppl",
-            "valid": {"loss": math.log(valid), "ppl": valid},
-            "test": {"loss": math.log(test), "ppl": test},
-        }
-        _write_job(
-            sweep / str(i),
-            [f"model={model}", f"optim.lr={lr}"],
-            _config(model, "token", 8),
-            status={"state": "done"},
-            results=results,
-        )
-    _write_job(
-        sweep / "9",
-        ["model=vanilla", "optim.lr=1e-3"],
-        _config("vanilla", "token", 0),
-        status={"state": "done"},
-        results={"model": "vanilla", "metric": "ppl", "valid": {"loss": 1.0, "ppl": 2.7}},
-    )
+        _finished(sweep / str(i), [f"model={model}", f"optim.lr={lr}"], model, valid, test)
+    _finished(sweep / "9", ["model=vanilla", "optim.lr=1e-3"], "vanilla", 2.7, None)
     files = write_report(sweep, plots=False)
     rows = list(csv.DictReader(open(files["search.csv"])))
     best = {r["search"]: (r["optim.lr"], float(r["valid"]), float(r["test"]), r["jobs"]) for r in rows}
     assert best == {"model=txl": ("1e-3", 20.0, 19.5, "3"), "model=crtn": ("5e-4", 18.0, 17.0, "2")}
     assert "Best of each search" in files["report.md"].read_text()
+    assert "seeds.csv" not in files  # no job was given a seed
+
+
+def test_across_seeds_gives_mean_and_sample_deviation_per_configuration(tmp_path):
+    """Jobs that differ only in seed form one configuration. Hand-computed: txl test 510, 503, 520
+    -> mean 511, sample std sqrt((1 + 64 + 81) / 2) = sqrt(73); crtn 492, 515 -> mean 503.5,
+    std sqrt(2 * 11.5^2) = 11.5 * sqrt(2). A lone seed and a failed job form no group."""
+    sweep = tmp_path / "sweep"
+    runs = [  # model, seed, valid ppl, test ppl
+        ("txl", 1111, 545.0, 510.0),
+        ("crtn", 1111, 525.0, 492.0),
+        ("txl", 2, 540.0, 503.0),
+        ("crtn", 2, 550.0, 515.0),
+        ("txl", 3, 556.0, 520.0),
+        ("vanilla", 1, 900.0, 880.0),
+    ]
+    for i, (model, seed, valid, test) in enumerate(runs):
+        _finished(sweep / str(i), [f"model={model}", f"seed={seed}"], model, valid, test)
+    _write_job(sweep / "6", ["model=crtn", "seed=3"], _config("crtn", "token", 8), status={"state": "failed"})
+    files = write_report(sweep, plots=False)
+    rows = {r["configuration"]: r for r in csv.DictReader(open(files["seeds.csv"]))}
+    assert set(rows) == {"model=txl", "model=crtn"}
+    txl, crtn = rows["model=txl"], rows["model=crtn"]
+    assert (txl["seeds"], crtn["seeds"]) == ("3", "2")
+    assert float(txl["test_mean"]) == pytest.approx(511.0)
+    assert float(txl["test_std"]) == pytest.approx(math.sqrt(73))
+    assert float(txl["valid_mean"]) == pytest.approx(547.0)
+    assert float(txl["valid_std"]) == pytest.approx(math.sqrt((4 + 49 + 81) / 2))
+    assert float(crtn["test_mean"]) == pytest.approx(503.5)
+    assert float(crtn["test_std"]) == pytest.approx(11.5 * math.sqrt(2))
+    assert txl["test_by_seed"] == "1111: 510, 2: 503, 3: 520" and txl["metric"] == "ppl"
+    md = files["report.md"].read_text()
+    assert "## Across seeds (`seeds.csv`)" in md and "| model=crtn | 2 |" in md

@@ -25,6 +25,12 @@ Files written (each only when there is something to show):
   sorted by checkpoint then ``n_slot``: checkpoint, step, n_slot, top_k, tgt_len, mem_len,
   ``range_tokens`` (mem_len + n_slot * tgt_len, the crtn dependency range) and the metric of
   each evaluated split: the eval-time cache extension of docs/method.md §5.
+- ``search.csv``: the best of each search: training jobs whose overrides differ only in
+  ``optim.lr`` form one search; per search, the job with the lowest validation loss, its
+  learning rate and metrics, and the validation metric of every rate tried.
+- ``seeds.csv``: across seeds: training jobs whose overrides differ only in ``seed`` form one
+  configuration; per configuration, the number of seeds, the mean and sample standard
+  deviation of the valid and test metric, and each seed's test metric.
 - ``valid_curves.png``: validation metric against training step and against elapsed
   training time, one line per job (``metrics.jsonl``).
 - ``test_bars.png``: final test metric per training job (best checkpoint by validation).

@@ -26,10 +26,12 @@ from crtn.report.plots import (
 )
 from crtn.report.tables import (
     SEARCH_KEY,
+    SEED_KEY,
     eval_table,
     markdown_table,
     metrics_of,
     search_table,
+    seed_table,
     train_table,
     write_csv,
 )
@@ -88,6 +90,11 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
         write_csv(out_dir / "search.csv", cols, rows)
         written["search.csv"] = out_dir / "search.csv"
         sections.append(("search", cols, rows))
+    cols, rows = seed_table(train)
+    if rows:
+        write_csv(out_dir / "seeds.csv", cols, rows)
+        written["seeds.csv"] = out_dir / "seeds.csv"
+        sections.append(("seeds", cols, rows))
 
     pngs: list[str] = []
     if plots:
@@ -155,6 +162,9 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
         if kind == "search":
             lines += _search_markdown(cols, rows)
             continue
+        if kind == "seeds":
+            lines += _seeds_markdown(cols, rows)
+            continue
         group = [j for j in jobs if j.kind == kind]
         varying = {j.name: [short(o, 60) for o in j.varying] for j in group}
         if kind == "train":
@@ -193,6 +203,20 @@ def _search_markdown(cols: list[str], rows: list[dict]) -> list[str]:
         f"Jobs that differ only in `{SEARCH_KEY}` form one search; each row is the search's best job by "
         "validation loss (valid/test as in the training table), and every value it tried with its "
         "validation metric.",
+        "",
+        markdown_table(cols, rows, {}),
+        "",
+    ]
+
+
+def _seeds_markdown(cols: list[str], rows: list[dict]) -> list[str]:
+    """The "across seeds" section of report.md (:func:`crtn.report.tables.seed_table`)."""
+    return [
+        f"## Across seeds (`seeds.csv`): one configuration, several values of `{SEED_KEY}`",
+        "",
+        f"Jobs that differ only in `{SEED_KEY}` form one configuration; each row gives the mean and the "
+        "sample standard deviation of its valid and test metric over the seeds, and each seed's test "
+        "metric. Differences between configurations smaller than these deviations are noise.",
         "",
         markdown_table(cols, rows, {}),
         "",

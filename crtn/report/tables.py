@@ -4,6 +4,7 @@ jobs) and their Markdown form."""
 from __future__ import annotations
 
 import csv
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ SOURCE_COLS = [
 #: what crtn-eval says of retrieval on any corpus: mean alpha mass per token, mean distance
 RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
 TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
+TEXT_COLS += ("configuration", "test_by_seed", "metric")
 
 
 def train_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -80,39 +82,47 @@ def train_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
 
 #: the key a sweep searches over, whose best value per configuration "best of each search" reports
 SEARCH_KEY = "optim.lr"
+#: the key whose values repeat one configuration, which "across seeds" averages over
+SEED_KEY = "seed"
+
+
+def groups_apart(jobs: list[Job], key: str) -> dict[str, list[Job]]:
+    """Finished training jobs that were given ``key`` on the command line, grouped by their other
+    overrides (sorted, joined by spaces; ``(no other override)`` when there are none). Only groups
+    of at least two jobs; each in the order of ``jobs``.
+    """
+    groups: dict[str, list[Job]] = {}
+    for j in jobs:
+        if j.kind != "train" or j.status != "done" or not isinstance((j.results or {}).get("valid"), dict):
+            continue
+        if key not in dict(split_override(o) for o in j.overrides):
+            continue
+        rest = " ".join(sorted(o for o in j.overrides if split_override(o)[0] != key))
+        groups.setdefault(rest or "(no other override)", []).append(j)
+    return {rest: members for rest, members in groups.items() if len(members) >= 2}
+
+
+def _given(j: Job, key: str) -> str | None:
+    return dict(split_override(o) for o in j.overrides)[key]
 
 
 def search_table(jobs: list[Job], key: str = SEARCH_KEY) -> tuple[list[str], list[dict[str, Any]]]:
     """The best of each search (a fair comparison: every configuration gets its own best value of
     ``key`` from the same grid): finished training jobs whose overrides differ only in ``key`` form
-    one search; per search with at least two jobs, the job with the lowest validation loss, its
+    one search (:func:`groups_apart`); per search, the job with the lowest validation loss, its
     value of ``key`` and its valid and test metric. Rows in the order of the jobs.
     """
-    groups: dict[tuple[str, ...], list[Job]] = {}
-    for j in jobs:
-        if j.kind != "train" or j.status != "done" or not isinstance((j.results or {}).get("valid"), dict):
-            continue
-        given = dict(split_override(o) for o in j.overrides)
-        if key not in given:
-            continue
-        rest = tuple(sorted(o for o in j.overrides if split_override(o)[0] != key))
-        groups.setdefault(rest, []).append(j)
     cols = ["search", "jobs", key, "best job", "valid", "test", "metric", "tried"]
     rows = []
-    for rest, members in groups.items():
-        if len(members) < 2:
-            continue
+    for rest, members in groups_apart(jobs, key).items():
         best = min(members, key=lambda j: j.results["valid"]["loss"])
         metric = best.results.get("metric") or best.metric
-        tried = ", ".join(
-            f"{dict(split_override(o) for o in m.overrides)[key]}: {m.results['valid'].get(metric):.4g}"
-            for m in members
-        )
+        tried = ", ".join(f"{_given(m, key)}: {m.results['valid'].get(metric):.4g}" for m in members)
         rows.append(
             {
-                "search": " ".join(rest) or "(no other override)",
+                "search": rest,
                 "jobs": len(members),
-                key: dict(split_override(o) for o in best.overrides)[key],
+                key: _given(best, key),
                 "best job": best.name,
                 "valid": best.results["valid"].get(metric),
                 "test": (best.results.get("test") or {}).get(metric),
@@ -120,6 +130,33 @@ def search_table(jobs: list[Job], key: str = SEARCH_KEY) -> tuple[list[str], lis
                 "tried": tried,
             }
         )
+    return cols, rows
+
+
+def seed_table(jobs: list[Job], key: str = SEED_KEY) -> tuple[list[str], list[dict[str, Any]]]:
+    """One configuration over several seeds: finished training jobs whose overrides differ only in
+    ``key`` form one group (:func:`groups_apart`); per group, the number of seeds, the mean and the
+    sample standard deviation (n - 1 in the denominator) of the valid and test metric, and every
+    seed's test metric. A difference between two configurations smaller than their spread across
+    seeds is not a result (docs/results.md shows such a case at word level).
+    """
+    cols = ["configuration", "seeds", "valid_mean", "valid_std", "test_mean", "test_std", "metric"]
+    cols += ["test_by_seed"]
+    rows = []
+    for rest, members in groups_apart(jobs, key).items():
+        metric = members[0].results.get("metric") or members[0].metric
+        row: dict[str, Any] = {"configuration": rest, "seeds": len(members), "metric": metric}
+        for split in ("valid", "test"):
+            values = [(m.results.get(split) or {}).get(metric) for m in members]
+            if any(not isinstance(v, (int, float)) for v in values):
+                row[f"{split}_mean"] = row[f"{split}_std"] = None
+                continue
+            row[f"{split}_mean"], row[f"{split}_std"] = statistics.mean(values), statistics.stdev(values)
+        row["test_by_seed"] = ", ".join(
+            f"{_given(m, key)}: {(m.results.get('test') or {}).get(metric, float('nan')):.5g}"
+            for m in members
+        )
+        rows.append(row)
     return cols, rows
 
 
@@ -259,6 +296,8 @@ def _fmt_cell(col: str, v: Any) -> str:
         return duration(v)
     if col == "tokens_per_s":
         return f"{v:,.0f}"
+    if col.endswith(("_mean", "_std")):
+        return f"{v:.5g}"
     if col in ("params", "steps", "step", "range_tokens"):
         return f"{v:,}"
     return f"{v:g}" if isinstance(v, float) else str(v)
