@@ -301,15 +301,18 @@ def _buckets(corpus: str, model: str, base: float, reach: int, layer: int | None
     return out
 
 
-def _job(root: Path, name: str, model_override: str, data: str, db: dict) -> dict:
+def _job(root: Path, name: str, model_override: str, data: str, db: dict, extra: tuple = ()) -> dict:
     d = root / name
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "config.yaml").write_text(
         json.dumps({"model": {"name": db["model"]}, "data": {"name": data}})
     )
-    (d / ".hydra" / "overrides.yaml").write_text(json.dumps([f"model={model_override}", f"data={data}"]))
+    (d / ".hydra" / "overrides.yaml").write_text(
+        json.dumps([f"model={model_override}", f"data={data}", *extra])
+    )
     (d / "status.json").write_text(json.dumps({"state": "done"}))
     results = {"model": db["model"], "data": data, "metric": "ppl"}
+    results["valid"] = {"split": "valid", "loss": 3.1, "ppl": 22.2}
     results["test"] = {"split": "test", "loss": 3.0, "ppl": 20.0, "distance_buckets": db}
     (d / "results.json").write_text(json.dumps(results))
     return db
@@ -376,3 +379,35 @@ def test_report_baseline_prefers_a_training_job_and_the_same_split(tmp_path):
     assert {r["baseline"] for r in rows.values()} == {"1"}
     assert float(rows[("0", "symbol")]["diff_first"]) == 0.25
     assert rows[("2", "symbol")]["nll_first"] == "3.0" and rows[("2", "symbol")]["diff_first"] == ""
+
+
+def test_report_across_seeds_gives_mean_differences_and_their_standard_errors(tmp_path):
+    """Jobs that differ only in seed: per bucket the mean over seeds minus the txl configuration's
+    mean, with the standard error sqrt(s_a^2/n_a + s_b^2/n_b). By hand: txl's bucket losses are
+    _buckets(3.5) + {0, 0.5, 1} (mean +0.5, variance 0.25), crtn's _buckets(3.0) + {0, 1} (mean
+    +0.5, variance 0.5): difference -0.5 everywhere, standard error sqrt(0.25/3 + 0.5/2)."""
+    sweep = tmp_path / "sweep"
+    runs = [("txl", 3.5, 1), ("txl", 4.0, 2), ("txl", 4.5, 3), ("crtn", 3.0, 1), ("crtn", 4.0, 2)]
+    for i, (model, base, seed) in enumerate(runs):
+        _job(sweep, str(i), model, "wt2", _buckets("wt2", model, base, 304, None), (f"seed={seed}",))
+    _job(sweep, "5", "vanilla", "wt2", _buckets("wt2", "vanilla", 9.0, 64, None), ("seed=1",))  # alone
+    files = write_report(sweep, plots=False)
+    with open(files["distance_seeds.csv"], newline="") as f:
+        rows = {(r["configuration"], r["analysis"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {(f"data=wt2 model={m}", k) for m in ("txl", "crtn") for k in ("symbol", "ngram")}
+    se = (0.25 / 3 + 0.5 / 2) ** 0.5
+    for k, kind in enumerate(("symbol", "ngram")):
+        crtn, txl = rows[("data=wt2 model=crtn", kind)], rows[("data=wt2 model=txl", kind)]
+        assert crtn["seeds"] == "2" and txl["seeds"] == "3" and crtn["baseline"] == "data=wt2 model=txl"
+        for i, b in enumerate(BUCKETS):
+            if b == ">=8192":  # the jobs left it empty
+                assert crtn[f"nll_{b}"] == crtn[f"diff_{b}"] == crtn[f"se_{b}"] == txl[f"diff_{b}"] == ""
+                continue
+            assert float(crtn[f"nll_{b}"]) == pytest.approx(3.5 + 0.25 * i + 0.125 * k)
+            assert float(txl[f"nll_{b}"]) == pytest.approx(4.0 + 0.25 * i + 0.125 * k)
+            assert float(crtn[f"diff_{b}"]) == pytest.approx(-0.5)
+            assert float(crtn[f"se_{b}"]) == pytest.approx(se)
+            assert float(txl[f"diff_{b}"]) == 0.0 and txl[f"se_{b}"] == ""
+    md = files["report.md"].read_text()
+    assert "### wt2: minus txl (data=wt2 model=txl)" in md
+    assert f"| data=wt2 model=crtn | 2 | symbol | -0.500 ± {se:.3f} |" in md

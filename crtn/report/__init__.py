@@ -42,6 +42,9 @@ Files written (each only when there is something to show):
 - ``distance_nll_<corpus>.png`` and ``distance_nll.csv`` (a table in ``report.md`` too): loss by
   distance to the previous occurrence of the target, per job, against the corpus's ``txl`` job
   (:mod:`crtn.report.distance`).
+- ``distance_seeds.csv`` (a table in ``report.md`` too): the same per configuration of
+  ``seeds.csv``, as the mean over its seeds minus the ``txl`` configuration's, with the standard
+  error of that difference.
 
 Lines and bars keep one colour per job in every plot and are labelled by the job number and
 the overrides that differ between jobs. Errors: a missing directory, one without job

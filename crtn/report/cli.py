@@ -13,7 +13,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.errors import UserError
-from crtn.report.distance import distance_markdown, distance_plots, distance_table
+from crtn.report.distance import (
+    distance_markdown,
+    distance_plots,
+    distance_seed_markdown,
+    distance_seed_table,
+    distance_table,
+)
 from crtn.report.jobs import METRIC_LABEL, Job, common_overrides, load_jobs, short
 from crtn.report.plots import (
     colors_of,
@@ -85,6 +91,10 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
     if rows:
         write_csv(out_dir / "distance_nll.csv", cols, rows)
         written["distance_nll.csv"] = out_dir / "distance_nll.csv"
+    cols, rows = distance_seed_table(jobs)
+    if rows:
+        write_csv(out_dir / "distance_seeds.csv", cols, rows)
+        written["distance_seeds.csv"] = out_dir / "distance_seeds.csv"
     cols, rows = search_table(train)
     if rows:
         write_csv(out_dir / "search.csv", cols, rows)
@@ -190,6 +200,7 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
             lines += ["", "Overrides common to all jobs: `" + " ".join(common) + "`"]
         lines.append("")
     lines += distance_markdown(jobs)
+    lines += distance_seed_markdown(jobs)
     for name in pngs:
         lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)

@@ -10,18 +10,26 @@
   as its ``model=`` override or else its config says, is ``txl``; the first training job of them
   when there are several, else the first ``crtn-eval`` job). A corpus without one is named in the
   report and gets no differences, nor do jobs that evaluated another split than the baseline.
+- ``distance_seeds.csv`` and a table in ``report.md``, when training jobs differ only in ``seed``
+  (the configurations of ``seeds.csv``, :func:`crtn.report.tables.seed_table`): per
+  configuration and analysis, the mean over its seeds of every bucket's NLL, its difference to
+  the mean of the corpus's ``txl`` configuration, and the standard error of that difference,
+  sqrt(s_a^2 / n_a + s_b^2 / n_b) with s the sample standard deviation over seeds. One seed's
+  bucket differences can be noise; these say whether they are.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
 from crtn.analysis.distance import BUCKET_RANGES, BUCKETS
 from crtn.report.jobs import Job, split_override
 from crtn.report.plots import _figure, _legend, _legend_layout, _suptitle
+from crtn.report.tables import SEED_KEY, groups_apart
 
 KINDS = {
     "symbol": "(a) previous occurrence of the symbol",
@@ -128,6 +136,85 @@ def distance_markdown(jobs: list[Job]) -> list[str]:
                 mark = REACH_MARK.get(((db.get(r["analysis"]) or {}).get(b) or {}).get("reach"), "")
                 cells.append("" if v is None else (f"{v:+.3f}" if diff else f"{v:.3f}") + mark)
             lines.append(f"| {r['job']} | {r['model']} | {r['analysis']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns and rows of ``distance_seeds.csv`` (module docstring): per configuration of
+    :func:`crtn.report.tables.groups_apart` over ``seed`` whose jobs all have ``distance_buckets``,
+    and per analysis, ``seeds``, then per bucket ``nll_<bucket>`` (mean over seeds, nats),
+    ``diff_<bucket>`` (minus the mean of the corpus's first ``txl`` configuration) and
+    ``se_<bucket>`` (the standard error of that difference; empty on the baseline's own rows, whose
+    difference is 0). Differences are empty for a corpus
+    without a ``txl`` configuration, for another split than its, or a bucket a job left empty.
+    """
+    cols = ["corpus", "configuration", "model", "split", "seeds", "analysis", "baseline"]
+    cols += [f"{p}_{b}" for b in BUCKETS for p in ("nll", "diff", "se")]
+    groups = []
+    for conf, members in groups_apart(jobs, SEED_KEY).items():
+        dbs = [(j.final() or {}).get("distance_buckets") for j in members]
+        if all(isinstance(db, dict) and all(isinstance(db.get(k), dict) for k in KINDS) for db in dbs):
+            corpus = str(dbs[0].get("corpus") or (members[0].results or {}).get("data"))
+            groups.append((corpus, conf, job_model(members[0]), dbs))
+    rows = []
+    for corpus, conf, model, dbs in groups:
+        base = next((g for g in groups if g[0] == corpus and g[2] == BASELINE), None)
+        split = dbs[0].get("split")
+        same = base is not None and {db.get("split") for db in dbs + base[3]} == {split}
+        for kind in KINDS:
+            row: dict[str, Any] = {"corpus": corpus, "configuration": conf, "model": model, "split": split}
+            row.update(seeds=len(dbs), analysis=kind, baseline=base[1] if base else None)
+            for b in BUCKETS:
+                mine = [_loss(db, kind, b) for db in dbs]
+                ref = [_loss(db, kind, b) for db in base[3]] if same else [None]
+                ok, ok_ref = None not in mine, None not in ref
+                own = base is not None and conf == base[1]  # the reference itself: difference 0, no error
+                row[f"nll_{b}"] = statistics.mean(mine) if ok else None
+                row[f"diff_{b}"] = statistics.mean(mine) - statistics.mean(ref) if ok and ok_ref else None
+                row[f"se_{b}"] = (
+                    math.sqrt(statistics.variance(mine) / len(mine) + statistics.variance(ref) / len(ref))
+                    if ok and ok_ref and not own
+                    else None
+                )
+            rows.append(row)
+    return cols, rows
+
+
+def distance_seed_markdown(jobs: list[Job]) -> list[str]:
+    """report.md's section of :func:`distance_seed_table`: per corpus, mean difference to the
+    ``txl`` configuration ± its standard error, per bucket (mean NLL where there is no baseline)."""
+    _, rows = distance_seed_table(jobs)
+    if not rows:
+        return []
+    lines = [
+        "## Loss by distance across seeds (`distance_seeds.csv`)",
+        "",
+        f"Per configuration of the seeds table: the mean over its seeds of each bucket's NLL minus the mean of "
+        f"the `{BASELINE}` configuration, ± the standard error of that difference (nats; negative: better). "
+        "A difference within about two standard errors of zero does not separate the models.",
+        "",
+    ]
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        mine = [r for r in rows if r["corpus"] == corpus]
+        diff = any(r["baseline"] is not None for r in mine)
+        what = (
+            f"minus {BASELINE} ({mine[0]['baseline']})" if diff else f"mean NLL; no {BASELINE} configuration"
+        )
+        lines += [f"### {corpus}: {what}", ""]
+        lines.append("| configuration | seeds | analysis | " + " | ".join(BUCKETS) + " |")
+        lines.append("|---|---:|---|" + "---:|" * len(BUCKETS))
+        for r in mine:
+            cells = []
+            for b in BUCKETS:
+                v, se = r[f"diff_{b}"], r[f"se_{b}"]
+                if diff:
+                    cells.append("" if v is None else f"{v:+.3f}" + ("" if se is None else f" ± {se:.3f}"))
+                else:
+                    cells.append("" if r[f"nll_{b}"] is None else f"{r[f'nll_{b}']:.3f}")
+            lines.append(
+                f"| {r['configuration']} | {r['seeds']} | {r['analysis']} | " + " | ".join(cells) + " |"
+            )
         lines.append("")
     return lines
 
