@@ -28,6 +28,7 @@ from crtn.config import DataSpec, schema_node
 from crtn.data import load_corpus
 from crtn.evaluate import evaluate
 from crtn.report import write_report
+from crtn.report.distance import KINDS
 from tests.helpers import tiny_model
 from tests.test_report import assert_png
 
@@ -391,10 +392,20 @@ def test_report_across_seeds_gives_mean_differences_and_their_standard_errors(tm
     for i, (model, base, seed) in enumerate(runs):
         _job(sweep, str(i), model, "wt2", _buckets("wt2", model, base, 304, None), (f"seed={seed}",))
     _job(sweep, "5", "vanilla", "wt2", _buckets("wt2", "vanilla", 9.0, 64, None), ("seed=1",))  # alone
-    files = write_report(sweep, plots=False)
+    for i, seed in enumerate((1, 2)):  # a corpus without a txl configuration: a table, no figure
+        _job(sweep, str(6 + i), "crtn", "ptb", _buckets("ptb", "crtn", 4.0 + i, 304, None), (f"seed={seed}",))
+    files = write_report(sweep)
+    assert_png(files["distance_seeds_wt2.png"])
+    assert "distance_seeds_ptb.png" not in files
     with open(files["distance_seeds.csv"], newline="") as f:
         rows = {(r["configuration"], r["analysis"]): r for r in csv.DictReader(f)}
-    assert set(rows) == {(f"data=wt2 model={m}", k) for m in ("txl", "crtn") for k in ("symbol", "ngram")}
+    assert set(rows) == {
+        (f"data={d} model={m}", k)
+        for d, m in (("wt2", "txl"), ("wt2", "crtn"), ("ptb", "crtn"))
+        for k in KINDS
+    }
+    ptb = rows[("data=ptb model=crtn", "symbol")]
+    assert float(ptb["nll_first"]) == 4.5 and ptb["diff_first"] == ptb["se_first"] == ptb["baseline"] == ""
     se = (0.25 / 3 + 0.5 / 2) ** 0.5
     for k, kind in enumerate(("symbol", "ngram")):
         crtn, txl = rows[("data=wt2 model=crtn", kind)], rows[("data=wt2 model=txl", kind)]
@@ -411,3 +422,7 @@ def test_report_across_seeds_gives_mean_differences_and_their_standard_errors(tm
     md = files["report.md"].read_text()
     assert "### wt2: minus txl (data=wt2 model=txl)" in md
     assert f"| data=wt2 model=crtn | 2 | symbol | -0.500 ± {se:.3f} |" in md
+    assert (
+        "### ptb: mean NLL; no txl configuration" in md
+        and "| data=ptb model=crtn | 2 | symbol | 4.500 |" in md
+    )

@@ -152,9 +152,15 @@ _DISTANCE_TEXT = (
     "Mean NLL by distance to the previous occurrence of the target in its stream (symbol, longest n-gram); "
     "dashed: each job's reach m + N·L + L, dotted: n_layer·m + L (models without a cache)."
 )
+_DISTANCE_SEEDS_TEXT = (
+    "Across seeds: mean NLL per distance bucket minus the txl configuration's, bars of plus and minus two "
+    "standard errors of the difference."
+)
 
 
 def _plot_text(name: str) -> str:
+    if name.startswith("distance_seeds_"):
+        return _DISTANCE_SEEDS_TEXT
     return _DISTANCE_TEXT if name.startswith("distance_nll_") else _PLOT_TEXT[name]
 
 
@@ -312,7 +318,11 @@ def _tables_only(md: str) -> str:
             skip = True
             continue
         if skip:
-            skip = line.strip() == "" or line in _PLOT_TEXT.values() or line == _DISTANCE_TEXT
+            skip = (
+                line.strip() == ""
+                or line in _PLOT_TEXT.values()
+                or line in (_DISTANCE_TEXT, _DISTANCE_SEEDS_TEXT)
+            )
             if skip:
                 continue
         out.append(line)

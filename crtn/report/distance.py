@@ -16,6 +16,8 @@
   the mean of the corpus's ``txl`` configuration, and the standard error of that difference,
   sqrt(s_a^2 / n_a + s_b^2 / n_b) with s the sample standard deviation over seeds. One seed's
   bucket differences can be noise; these say whether they are.
+- ``distance_seeds_<corpus>.png``: that difference per bucket, one line per configuration, with
+  bars of plus and minus two standard errors, for corpora with a ``txl`` configuration.
 """
 
 from __future__ import annotations
@@ -271,12 +273,64 @@ def plot_distance_nll(
     return True
 
 
+def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str, corpus: str) -> bool:
+    """One corpus's figure of :func:`distance_seed_table` (module docstring): per analysis, the
+    mean difference to the ``txl`` configuration per bucket with +-2 standard errors; False when
+    no configuration other than the baseline has a difference."""
+    rows = [r for r in rows if r["corpus"] == corpus and r["baseline"] not in (None, r["configuration"])]
+    if not rows:
+        return False
+    confs = list(dict.fromkeys(r["configuration"] for r in rows))
+    base = set(rows[0]["baseline"].split())  # label a configuration by the overrides the baseline lacks
+    labels = [" ".join(o for o in c.split() if o not in base) or c for c in confs]
+    labels = [
+        f"{lab} ({next(r['seeds'] for r in rows if r['configuration'] == c)} seeds)"
+        for lab, c in zip(labels, confs)
+    ]
+    ncol, extra = _legend_layout(labels, 13)
+    fig = _figure(13, 5.4 + extra)
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, (kind, heading) in zip(axes, KINDS.items()):
+        for i, (conf, lab) in enumerate(zip(confs, labels)):
+            r = next(r for r in rows if r["configuration"] == conf and r["analysis"] == kind)
+            pts = [
+                (x, r[f"diff_{b}"], r[f"se_{b}"]) for x, b in enumerate(BUCKETS) if r[f"diff_{b}"] is not None
+            ]
+            shift = 0.08 * (i - (len(confs) - 1) / 2)  # side by side, so that the bars do not overlap
+            ax.errorbar(
+                [x + shift for x, _, _ in pts],
+                [y for _, y, _ in pts],
+                yerr=[2 * (e or 0.0) for _, _, e in pts],
+                marker="o",
+                markersize=4,
+                capsize=3,
+                linewidth=1.4,
+                label=lab,
+            )
+        ax.axhline(0.0, color="black", linewidth=1.0)
+        ax.set_xticks(range(len(BUCKETS)), ["first\noccurrence", *BUCKETS[1:]], fontsize=8)
+        ax.set_xlabel("distance to the previous occurrence in the stream (tokens)")
+        ax.set_title(heading, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(f"mean NLL minus {BASELINE}'s (nats), +-2 standard errors")
+    _suptitle(
+        fig, f"Loss by distance across seeds, {corpus}: minus {BASELINE} ({rows[0]['baseline']}): {title}"
+    )
+    _legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
+    fig.savefig(path)
+    return True
+
+
 def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str, Any]]:
-    """(file name, maker(path) -> bool) of each corpus's figure, for :func:`crtn.report.write_report`."""
+    """(file name, maker(path) -> bool) of each corpus's figures, for :func:`crtn.report.write_report`."""
     makers = []
     for corpus, series in by_corpus(jobs).items():
         name = f"distance_nll_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}.png"
         makers.append(
             (name, lambda p, s=series, c=corpus: plot_distance_nll(s, p, title, colors=colors, corpus=c))
         )
+    _, rows = distance_seed_table(jobs)
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        name = f"distance_seeds_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}.png"
+        makers.append((name, lambda p, c=corpus: plot_distance_seeds(rows, p, title, c)))
     return makers
