@@ -386,7 +386,9 @@ def test_report_across_seeds_gives_mean_differences_and_their_standard_errors(tm
     """Jobs that differ only in seed: per bucket the mean over seeds minus the txl configuration's
     mean, with the standard error sqrt(s_a^2/n_a + s_b^2/n_b). By hand: txl's bucket losses are
     _buckets(3.5) + {0, 0.5, 1} (mean +0.5, variance 0.25), crtn's _buckets(3.0) + {0, 1} (mean
-    +0.5, variance 0.5): difference -0.5 everywhere, standard error sqrt(0.25/3 + 0.5/2)."""
+    +0.5, variance 0.5): difference -0.5 everywhere, standard error sqrt(0.25/3 + 0.5/2). Runs with
+    train.max_step=4000 are compared with the txl configuration of that length, in a figure of
+    their own."""
     sweep = tmp_path / "sweep"
     runs = [("txl", 3.5, 1), ("txl", 4.0, 2), ("txl", 4.5, 3), ("crtn", 3.0, 1), ("crtn", 4.0, 2)]
     for i, (model, base, seed) in enumerate(runs):
@@ -394,16 +396,23 @@ def test_report_across_seeds_gives_mean_differences_and_their_standard_errors(tm
     _job(sweep, "5", "vanilla", "wt2", _buckets("wt2", "vanilla", 9.0, 64, None), ("seed=1",))  # alone
     for i, seed in enumerate((1, 2)):  # a corpus without a txl configuration: a table, no figure
         _job(sweep, str(6 + i), "crtn", "ptb", _buckets("ptb", "crtn", 4.0 + i, 304, None), (f"seed={seed}",))
+    longer = [("txl", 2.0, 1), ("txl", 2.5, 2), ("crtn", 2.25, 1), ("crtn", 2.75, 2)]
+    for i, (model, base, seed) in enumerate(longer):  # compared with the txl runs of the same length
+        extra = (f"seed={seed}", "train.max_step=4000")
+        _job(sweep, str(8 + i), model, "wt2", _buckets("wt2", model, base, 304, None), extra)
     files = write_report(sweep)
     assert_png(files["distance_seeds_wt2.png"])
+    assert_png(files["distance_seeds_wt2_2.png"])
     assert "distance_seeds_ptb.png" not in files
     with open(files["distance_seeds.csv"], newline="") as f:
         rows = {(r["configuration"], r["analysis"]): r for r in csv.DictReader(f)}
-    assert set(rows) == {
-        (f"data={d} model={m}", k)
-        for d, m in (("wt2", "txl"), ("wt2", "crtn"), ("ptb", "crtn"))
-        for k in KINDS
-    }
+    confs = ("data=wt2 model=txl", "data=wt2 model=crtn", "data=ptb model=crtn")
+    confs += ("data=wt2 model=txl train.max_step=4000", "data=wt2 model=crtn train.max_step=4000")
+    assert set(rows) == {(c, k) for c in confs for k in KINDS}
+    row = rows[("data=wt2 model=crtn train.max_step=4000", "symbol")]
+    assert row["baseline"] == "data=wt2 model=txl train.max_step=4000"
+    assert float(row["diff_first"]) == pytest.approx(0.25)
+    assert float(row["se_first"]) == pytest.approx((0.125 / 2 + 0.125 / 2) ** 0.5)
     ptb = rows[("data=ptb model=crtn", "symbol")]
     assert float(ptb["nll_first"]) == 4.5 and ptb["diff_first"] == ptb["se_first"] == ptb["baseline"] == ""
     se = (0.25 / 3 + 0.5 / 2) ** 0.5

@@ -13,11 +13,13 @@
 - ``distance_seeds.csv`` and a table in ``report.md``, when training jobs differ only in ``seed``
   (the configurations of ``seeds.csv``, :func:`crtn.report.tables.seed_table`): per
   configuration and analysis, the mean over its seeds of every bucket's NLL, its difference to
-  the mean of the corpus's ``txl`` configuration, and the standard error of that difference,
+  the mean of the corpus's ``txl`` configuration (the one that shares the most overrides with
+  it, e.g. the same ``train.max_step``), and the standard error of that difference,
   sqrt(s_a^2 / n_a + s_b^2 / n_b) with s the sample standard deviation over seeds. One seed's
   bucket differences can be noise; these say whether they are.
 - ``distance_seeds_<corpus>.png``: that difference per bucket, one line per configuration, with
-  bars of plus and minus two standard errors, for corpora with a ``txl`` configuration.
+  bars of plus and minus two standard errors, per ``txl`` configuration of a corpus (the second
+  and further ones as ``distance_seeds_<corpus>_2.png``...).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]
     """Columns and rows of ``distance_seeds.csv`` (module docstring): per configuration of
     :func:`crtn.report.tables.groups_apart` over ``seed`` whose jobs all have ``distance_buckets``,
     and per analysis, ``seeds``, then per bucket ``nll_<bucket>`` (mean over seeds, nats),
-    ``diff_<bucket>`` (minus the mean of the corpus's first ``txl`` configuration) and
+    ``diff_<bucket>`` (minus the mean of the corpus's ``txl`` configuration that shares the most
+    overrides with it, the first of them on a tie) and
     ``se_<bucket>`` (the standard error of that difference; empty on the baseline's own rows, whose
     difference is 0). Differences are empty for a corpus
     without a ``txl`` configuration, for another split than its, or a bucket a job left empty.
@@ -161,7 +164,9 @@ def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]
             groups.append((corpus, conf, job_model(members[0]), dbs))
     rows = []
     for corpus, conf, model, dbs in groups:
-        base = next((g for g in groups if g[0] == corpus and g[2] == BASELINE), None)
+        # the corpus's txl configuration that shares the most overrides (steps, sizes...), the first on a tie
+        txl = [g for g in groups if g[0] == corpus and g[2] == BASELINE]
+        base = max(txl, key=lambda g: len(set(g[1].split()) & set(conf.split())), default=None)
         split = dbs[0].get("split")
         same = base is not None and {db.get("split") for db in dbs + base[3]} == {split}
         for kind in KINDS:
@@ -183,9 +188,17 @@ def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]
     return cols, rows
 
 
+def _by_baseline(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], list[dict[str, Any]]]:
+    """Rows of :func:`distance_seed_table` grouped by (corpus, baseline configuration), in order."""
+    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["corpus"], r["baseline"]), []).append(r)
+    return groups
+
+
 def distance_seed_markdown(jobs: list[Job]) -> list[str]:
-    """report.md's section of :func:`distance_seed_table`: per corpus, mean difference to the
-    ``txl`` configuration ± its standard error, per bucket (mean NLL where there is no baseline)."""
+    """report.md's section of :func:`distance_seed_table`: per corpus and ``txl`` configuration, the
+    mean difference to it ± its standard error, per bucket (mean NLL where there is no baseline)."""
     _, rows = distance_seed_table(jobs)
     if not rows:
         return []
@@ -197,12 +210,9 @@ def distance_seed_markdown(jobs: list[Job]) -> list[str]:
         "A difference within about two standard errors of zero does not separate the models.",
         "",
     ]
-    for corpus in dict.fromkeys(r["corpus"] for r in rows):
-        mine = [r for r in rows if r["corpus"] == corpus]
-        diff = any(r["baseline"] is not None for r in mine)
-        what = (
-            f"minus {BASELINE} ({mine[0]['baseline']})" if diff else f"mean NLL; no {BASELINE} configuration"
-        )
+    for (corpus, base), mine in _by_baseline(rows).items():
+        diff = base is not None
+        what = f"minus {BASELINE} ({base})" if diff else f"mean NLL; no {BASELINE} configuration"
         lines += [f"### {corpus}: {what}", ""]
         lines.append("| configuration | seeds | analysis | " + " | ".join(BUCKETS) + " |")
         lines.append("|---|---:|---|" + "---:|" * len(BUCKETS))
@@ -273,13 +283,14 @@ def plot_distance_nll(
     return True
 
 
-def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str, corpus: str) -> bool:
-    """One corpus's figure of :func:`distance_seed_table` (module docstring): per analysis, the
-    mean difference to the ``txl`` configuration per bucket with +-2 standard errors; False when
-    no configuration other than the baseline has a difference."""
-    rows = [r for r in rows if r["corpus"] == corpus and r["baseline"] not in (None, r["configuration"])]
+def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """The figure of one (corpus, ``txl`` configuration) group of :func:`distance_seed_table` rows
+    (module docstring): per analysis, the mean difference to that configuration per bucket with
+    +-2 standard errors; False when no configuration but the baseline itself is in ``rows``."""
+    rows = [r for r in rows if r["baseline"] not in (None, r["configuration"])]
     if not rows:
         return False
+    corpus = rows[0]["corpus"]
     confs = list(dict.fromkeys(r["configuration"] for r in rows))
     base = set(rows[0]["baseline"].split())  # label a configuration by the overrides the baseline lacks
     labels = [" ".join(o for o in c.split() if o not in base) or c for c in confs]
@@ -330,7 +341,12 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
             (name, lambda p, s=series, c=corpus: plot_distance_nll(s, p, title, colors=colors, corpus=c))
         )
     _, rows = distance_seed_table(jobs)
-    for corpus in dict.fromkeys(r["corpus"] for r in rows):
-        name = f"distance_seeds_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}.png"
-        makers.append((name, lambda p, c=corpus: plot_distance_seeds(rows, p, title, c)))
+    count: dict[str, int] = {}
+    for (corpus, base), group in _by_baseline(rows).items():
+        if base is None:
+            continue
+        count[corpus] = count.get(corpus, 0) + 1  # a second txl configuration of the corpus: _2, ...
+        name = f"distance_seeds_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}"
+        name += f"_{count[corpus]}.png" if count[corpus] > 1 else ".png"
+        makers.append((name, lambda p, g=group: plot_distance_seeds(g, p, title)))
     return makers
