@@ -77,34 +77,21 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
     train = [j for j in jobs if j.kind == "train"]
     evals = [j for j in jobs if j.kind == "eval"]
     sections = []
-    if train:
-        cols, rows = train_table(train)
-        write_csv(out_dir / "report.csv", cols, rows)
-        written["report.csv"] = out_dir / "report.csv"
-        sections.append(("train", cols, rows))
-    if evals:
-        cols, rows = eval_table(evals)
-        write_csv(out_dir / "cache_extension.csv", cols, rows)
-        written["cache_extension.csv"] = out_dir / "cache_extension.csv"
-        sections.append(("eval", cols, rows))
-    cols, rows, _ = distance_table(jobs)
-    if rows:
-        write_csv(out_dir / "distance_nll.csv", cols, rows)
-        written["distance_nll.csv"] = out_dir / "distance_nll.csv"
-    cols, rows = distance_seed_table(jobs)
-    if rows:
-        write_csv(out_dir / "distance_seeds.csv", cols, rows)
-        written["distance_seeds.csv"] = out_dir / "distance_seeds.csv"
-    cols, rows = search_table(train)
-    if rows:
-        write_csv(out_dir / "search.csv", cols, rows)
-        written["search.csv"] = out_dir / "search.csv"
-        sections.append(("search", cols, rows))
-    cols, rows = seed_table(train)
-    if rows:
-        write_csv(out_dir / "seeds.csv", cols, rows)
-        written["seeds.csv"] = out_dir / "seeds.csv"
-        sections.append(("seeds", cols, rows))
+    tables = [  # (file, report.md section or None, (columns, rows) or None)
+        ("report.csv", "train", train_table(train) if train else None),
+        ("cache_extension.csv", "eval", eval_table(evals) if evals else None),
+        ("distance_nll.csv", None, distance_table(jobs)[:2]),
+        ("distance_seeds.csv", None, distance_seed_table(jobs)),
+        ("search.csv", "search", search_table(train)),
+        ("seeds.csv", "seeds", seed_table(train)),
+    ]
+    for name, kind, table in tables:
+        if table is None or not table[1]:
+            continue
+        write_csv(out_dir / name, *table)
+        written[name] = out_dir / name
+        if kind is not None:
+            sections.append((kind, *table))
 
     pngs: list[str] = []
     if plots:
@@ -164,6 +151,24 @@ def _plot_text(name: str) -> str:
     return _DISTANCE_TEXT if name.startswith("distance_nll_") else _PLOT_TEXT[name]
 
 
+#: report.md's heading and text of the tables that reduce groups of jobs: the best of each
+#: search (:func:`crtn.report.tables.search_table`) and across seeds (:func:`~crtn.report.tables.seed_table`)
+_GROUPED = {
+    "search": (
+        f"## Best of each search (`search.csv`): `{SEARCH_KEY}` chosen by validation",
+        f"Jobs that differ only in `{SEARCH_KEY}` form one search; each row is the search's best job by "
+        "validation loss (valid/test as in the training table), and every value it tried with its "
+        "validation metric.",
+    ),
+    "seeds": (
+        f"## Across seeds (`seeds.csv`): one configuration, several values of `{SEED_KEY}`",
+        f"Jobs that differ only in `{SEED_KEY}` form one configuration; each row gives the mean and the "
+        "sample standard deviation of its valid and test metric over the seeds, and each seed's test "
+        "metric. Differences between configurations smaller than these deviations are noise.",
+    ),
+}
+
+
 def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> str:
     """report.md: a summary line, the tables (with the overrides common to all jobs), the plots."""
     counts = Counter(j.status.split(":")[0] for j in jobs)
@@ -175,11 +180,9 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
         "",
     ]
     for kind, cols, rows in sections:
-        if kind == "search":
-            lines += _search_markdown(cols, rows)
-            continue
-        if kind == "seeds":
-            lines += _seeds_markdown(cols, rows)
+        if kind in _GROUPED:
+            heading, text = _GROUPED[kind]
+            lines += [heading, "", text, "", markdown_table(cols, rows, {}), ""]
             continue
         group = [j for j in jobs if j.kind == kind]
         varying = {j.name: [short(o, 60) for o in j.varying] for j in group}
@@ -210,34 +213,6 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
     for name in pngs:
         lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)
-
-
-def _search_markdown(cols: list[str], rows: list[dict]) -> list[str]:
-    """The "best of each search" section of report.md (:func:`crtn.report.tables.search_table`)."""
-    return [
-        f"## Best of each search (`search.csv`): `{SEARCH_KEY}` chosen by validation",
-        "",
-        f"Jobs that differ only in `{SEARCH_KEY}` form one search; each row is the search's best job by "
-        "validation loss (valid/test as in the training table), and every value it tried with its "
-        "validation metric.",
-        "",
-        markdown_table(cols, rows, {}),
-        "",
-    ]
-
-
-def _seeds_markdown(cols: list[str], rows: list[dict]) -> list[str]:
-    """The "across seeds" section of report.md (:func:`crtn.report.tables.seed_table`)."""
-    return [
-        f"## Across seeds (`seeds.csv`): one configuration, several values of `{SEED_KEY}`",
-        "",
-        f"Jobs that differ only in `{SEED_KEY}` form one configuration; each row gives the mean and the "
-        "sample standard deviation of its valid and test metric over the seeds, and each seed's test "
-        "metric. Differences between configurations smaller than these deviations are noise.",
-        "",
-        markdown_table(cols, rows, {}),
-        "",
-    ]
 
 
 # ----------------------------------------------------------------------------- command line

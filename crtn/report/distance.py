@@ -332,11 +332,16 @@ def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> b
     return True
 
 
+def _file_part(corpus: str) -> str:
+    """A corpus name as part of a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus)
+
+
 def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str, Any]]:
     """(file name, maker(path) -> bool) of each corpus's figures, for :func:`crtn.report.write_report`."""
     makers = []
     for corpus, series in by_corpus(jobs).items():
-        name = f"distance_nll_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}.png"
+        name = f"distance_nll_{_file_part(corpus)}.png"
         makers.append(
             (name, lambda p, s=series, c=corpus: plot_distance_nll(s, p, title, colors=colors, corpus=c))
         )
@@ -346,7 +351,7 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
         if base is None:
             continue
         count[corpus] = count.get(corpus, 0) + 1  # a second txl configuration of the corpus: _2, ...
-        name = f"distance_seeds_{re.sub(r'[^A-Za-z0-9_.-]+', '_', corpus)}"
+        name = f"distance_seeds_{_file_part(corpus)}"
         name += f"_{count[corpus]}.png" if count[corpus] > 1 else ".png"
         makers.append((name, lambda p, g=group: plot_distance_seeds(g, p, title)))
     return makers
