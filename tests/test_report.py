@@ -493,6 +493,26 @@ def test_best_of_each_search_picks_the_lowest_validation_per_configuration(tmp_p
     assert "seeds.csv" not in files  # no job was given a seed
 
 
+def test_a_run_at_the_default_seed_joins_the_seeds_given_later(tmp_path):
+    """A first run that named no seed (its config holds the default, 1111) and a later one with
+    seed=2 form one configuration: mean (510 + 520) / 2 = 515, std sqrt(2 * 5^2) = 5 * sqrt(2).
+    Two runs of one configuration with the same seed are no seed spread and form no group."""
+    sweep = tmp_path / "sweep"
+    for i, (overrides, seed, test) in enumerate(
+        [(["model=txl"], 1111, 510.0), (["model=txl", "seed=2"], 2, 520.0)]
+        + [(["model=crtn", "seed=5"], 5, 500.0), (["model=crtn"], 5, 502.0)]
+    ):
+        config = {**_config(overrides[0].split("=")[1], "token", 8), "seed": seed}
+        results = {"model": "m", "metric": "ppl", "valid": {"loss": 6.0, "ppl": 400.0}}
+        results["test"] = {"loss": math.log(test), "ppl": test}
+        _write_job(sweep / str(i), overrides, config, status={"state": "done"}, results=results)
+    rows = list(csv.DictReader(open(write_report(sweep, plots=False)["seeds.csv"])))
+    assert [r["configuration"] for r in rows] == ["model=txl"]
+    assert float(rows[0]["test_mean"]) == pytest.approx(515.0)
+    assert float(rows[0]["test_std"]) == pytest.approx(5 * math.sqrt(2))
+    assert rows[0]["test_by_seed"] == "1111: 510, 2: 520"
+
+
 def test_across_seeds_gives_mean_and_sample_deviation_per_configuration(tmp_path):
     """Jobs that differ only in seed form one configuration. Hand-computed: txl test 510, 503, 520
     -> mean 511, sample std sqrt((1 + 64 + 81) / 2) = sqrt(73); crtn 492, 515 -> mean 503.5,

@@ -87,23 +87,36 @@ SEED_KEY = "seed"
 
 
 def groups_apart(jobs: list[Job], key: str) -> dict[str, list[Job]]:
-    """Finished training jobs that were given ``key`` on the command line, grouped by their other
-    overrides (sorted, joined by spaces; ``(no other override)`` when there are none). Only groups
-    of at least two jobs; each in the order of ``jobs``.
+    """Finished training jobs grouped by their overrides other than ``key`` (sorted, joined by
+    spaces; ``(no other override)`` when there are none). A job's value of ``key`` is the one given
+    on its command line, else the one in its ``.hydra/config.yaml`` (so a first run at the default
+    seed or learning rate joins the runs that name other values); a job with neither is left out.
+    Only groups of at least two jobs with at least two different values of ``key`` (re-runs of one
+    configuration are no search and no seed spread); each in the order of ``jobs``.
     """
     groups: dict[str, list[Job]] = {}
     for j in jobs:
         if j.kind != "train" or j.status != "done" or not isinstance((j.results or {}).get("valid"), dict):
             continue
-        if key not in dict(split_override(o) for o in j.overrides):
+        if _given(j, key) is None:
             continue
         rest = " ".join(sorted(o for o in j.overrides if split_override(o)[0] != key))
         groups.setdefault(rest or "(no other override)", []).append(j)
-    return {rest: members for rest, members in groups.items() if len(members) >= 2}
+    return {
+        rest: members
+        for rest, members in groups.items()
+        if len(members) >= 2 and len({_given(m, key) for m in members}) >= 2
+    }
 
 
 def _given(j: Job, key: str) -> str | None:
-    return dict(split_override(o) for o in j.overrides)[key]
+    """``key``'s value in job ``j``: from its command line, else from its config (as text); None
+    when it has neither."""
+    given = dict(split_override(o) for o in j.overrides)
+    if key in given:
+        return given[key]
+    value = j.cfg(key)
+    return None if value is None else str(value)
 
 
 def search_table(jobs: list[Job], key: str = SEARCH_KEY) -> tuple[list[str], list[dict[str, Any]]]:
