@@ -29,7 +29,7 @@ Files written (each only when there is something to show):
   ``optim.lr`` form one search; per search, the job with the lowest validation loss, its
   learning rate and metrics, and the validation metric of every rate tried.
 - ``seeds.csv``: across seeds: training jobs whose overrides differ only in ``seed`` form one
-  configuration; per configuration, the number of seeds, the mean and sample standard
+  configuration (a job that names no seed has its config's); per configuration, the number of seeds, the mean and sample standard
   deviation of the valid and test metric, and each seed's test metric.
 - ``valid_curves.png``: validation metric against training step and against elapsed
   training time, one line per job (``metrics.jsonl``).
@@ -45,6 +45,10 @@ Files written (each only when there is something to show):
 - ``distance_seeds.csv`` (a table in ``report.md`` too): the same per configuration of
   ``seeds.csv``, as the mean over its seeds minus the ``txl`` configuration's, with the standard
   error of that difference.
+- ``cache_effect.csv`` and ``cache_effect_<corpus>.png`` (a table in ``report.md`` too): where
+  ``crtn-eval`` evaluated one checkpoint with an empty cache (``eval.n_slot=0``) and with
+  caches of other sizes, the cache's own effect per distance bucket, same weights, and each
+  bucket's contribution to the change of the mean loss (:mod:`crtn.report.cache_effect`).
 
 Lines and bars keep one colour per job in every plot and are labelled by the job number and
 the overrides that differ between jobs. Errors: a missing directory, one without job

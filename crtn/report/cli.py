@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.errors import UserError
+from crtn.report.cache_effect import cache_effect_markdown, cache_effect_plots, cache_effect_table
 from crtn.report.distance import (
     distance_markdown,
     distance_plots,
@@ -82,6 +83,7 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
         ("cache_extension.csv", "eval", eval_table(evals) if evals else None),
         ("distance_nll.csv", None, distance_table(jobs)[:2]),
         ("distance_seeds.csv", None, distance_seed_table(jobs)),
+        ("cache_effect.csv", None, cache_effect_table(jobs)),
         ("search.csv", "search", search_table(train)),
         ("seeds.csv", "seeds", seed_table(train)),
     ]
@@ -104,6 +106,7 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
             ("recall.png", lambda p: plot_recall(jobs, p, title)),
             ("cache_extension.png", lambda p: plot_cache_extension(evals, p, title)),
             *distance_plots(jobs, title, colors),
+            *cache_effect_plots(jobs, title),
         ]
         for name, make in makers:
             try:
@@ -145,9 +148,17 @@ _DISTANCE_SEEDS_TEXT = (
 )
 
 
+_CACHE_EFFECT_TEXT = (
+    "Same weights: mean NLL per distance bucket with the cache minus with an empty cache (eval.n_slot=0), "
+    "one line per evaluated cache size."
+)
+
+
 def _plot_text(name: str) -> str:
     if name.startswith("distance_seeds_"):
         return _DISTANCE_SEEDS_TEXT
+    if name.startswith("cache_effect_"):
+        return _CACHE_EFFECT_TEXT
     return _DISTANCE_TEXT if name.startswith("distance_nll_") else _PLOT_TEXT[name]
 
 
@@ -210,6 +221,7 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
         lines.append("")
     lines += distance_markdown(jobs)
     lines += distance_seed_markdown(jobs)
+    lines += cache_effect_markdown(jobs)
     for name in pngs:
         lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)

@@ -73,7 +73,7 @@ def baseline_of(series: list[tuple[Job, dict[str, Any]]]) -> tuple[Job, dict[str
     return next((p for p in txl if p[0].kind == "train"), txl[0] if txl else None)
 
 
-def _loss(db: dict[str, Any], kind: str, bucket: str) -> float | None:
+def bucket_loss(db: dict[str, Any], kind: str, bucket: str) -> float | None:
     v = ((db.get(kind) or {}).get(bucket) or {}).get("loss")
     return float(v) if isinstance(v, (int, float)) else None
 
@@ -99,9 +99,9 @@ def distance_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]], di
                 row: dict[str, Any] = {"corpus": corpus, "job": j.name, "model": job_model(j)}
                 row.update(split=db.get("split"), analysis=kind, baseline=base[0].name if base else None)
                 for b in BUCKETS:
-                    mine = _loss(db, kind, b)
+                    mine = bucket_loss(db, kind, b)
                     same_split = base is not None and base[1].get("split") == db.get("split")
-                    ref = _loss(base[1], kind, b) if same_split else None
+                    ref = bucket_loss(base[1], kind, b) if same_split else None
                     row[f"nll_{b}"] = mine
                     row[f"diff_{b}"] = mine - ref if mine is not None and ref is not None else None
                 rows.append(row)
@@ -173,8 +173,8 @@ def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]
             row: dict[str, Any] = {"corpus": corpus, "configuration": conf, "model": model, "split": split}
             row.update(seeds=len(dbs), analysis=kind, baseline=base[1] if base else None)
             for b in BUCKETS:
-                mine = [_loss(db, kind, b) for db in dbs]
-                ref = [_loss(db, kind, b) for db in base[3]] if same else [None]
+                mine = [bucket_loss(db, kind, b) for db in dbs]
+                ref = [bucket_loss(db, kind, b) for db in base[3]] if same else [None]
                 ok, ok_ref = None not in mine, None not in ref
                 own = base is not None and conf == base[1]  # the reference itself: difference 0, no error
                 row[f"nll_{b}"] = statistics.mean(mine) if ok else None
@@ -257,10 +257,10 @@ def plot_distance_nll(
     for ax, (kind, heading) in zip(axes, KINDS.items()):
         for (j, db), lab in zip(series, labels):
             color = colors[j.name]
-            ys = [_loss(db, kind, b) for b in BUCKETS[1:]]
+            ys = [bucket_loss(db, kind, b) for b in BUCKETS[1:]]
             xs = [i for i, y in enumerate(ys) if y is not None]
             ax.plot(xs, [ys[i] for i in xs], marker="o", markersize=4, linewidth=1.6, color=color, label=lab)
-            first = _loss(db, kind, BUCKETS[0])
+            first = bucket_loss(db, kind, BUCKETS[0])
             if first is not None:
                 ax.plot([far], [first], marker="s", markersize=6, color=color)
             for key, style in (("reach_tokens", "--"), ("layer_reach_tokens", ":")):
@@ -332,7 +332,7 @@ def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> b
     return True
 
 
-def _file_part(corpus: str) -> str:
+def file_part(corpus: str) -> str:
     """A corpus name as part of a file name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus)
 
@@ -341,7 +341,7 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
     """(file name, maker(path) -> bool) of each corpus's figures, for :func:`crtn.report.write_report`."""
     makers = []
     for corpus, series in by_corpus(jobs).items():
-        name = f"distance_nll_{_file_part(corpus)}.png"
+        name = f"distance_nll_{file_part(corpus)}.png"
         makers.append(
             (name, lambda p, s=series, c=corpus: plot_distance_nll(s, p, title, colors=colors, corpus=c))
         )
@@ -351,7 +351,7 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
         if base is None:
             continue
         count[corpus] = count.get(corpus, 0) + 1  # a second txl configuration of the corpus: _2, ...
-        name = f"distance_seeds_{_file_part(corpus)}"
+        name = f"distance_seeds_{file_part(corpus)}"
         name += f"_{count[corpus]}.png" if count[corpus] > 1 else ".png"
         makers.append((name, lambda p, g=group: plot_distance_seeds(g, p, title)))
     return makers
