@@ -6,7 +6,7 @@ weights evaluated with and without their cache have no such noise: where ``crtn-
 evaluated one checkpoint on the same tokens once with ``eval.n_slot=0`` (an empty cache, so the
 model reads only its Transformer-XL memory; docs/method.md §5) and with caches of other sizes,
 the difference of their ``distance_buckets`` (:mod:`crtn.analysis.distance`) is the cache's own
-effect on each bucket. This is the same-model ablation of distant context of Sun et al. (2021),
+effect on each bucket (docs/method.md §5, "What the cache contributes"). This is the same-model ablation of distant context of Sun et al. (2021),
 "Do Long-Range Language Models Actually Use Long-Range Context?", with the cache as the distant
 context.
 
