@@ -61,7 +61,8 @@ def test_method_citation_names_a_section(where, groups):
     end = text.find("\n## §", start + 1)
     part = text[start : end if end > 0 else len(text)]
     titles = [m.group(1).strip() for m in re.finditer(r"^#{3} (.+)$", part, re.M)]
-    bold = [m.group(1).rstrip(".") for m in re.finditer(r"^\*\*([^*]+)\*\*", part, re.M)]
+    # a paragraph or a list item that starts with a bold name is a named part of the section
+    bold = [m.group(1).rstrip(".") for m in re.finditer(r"^(?:- )?\*\*([^*]+)\*\*", part, re.M)]
     assert any(t.startswith(title) for t in [*titles, *bold]), (
         f"{where}: method.md §{section} has no {title!r}"
     )
