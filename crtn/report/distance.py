@@ -74,6 +74,8 @@ def baseline_of(series: list[tuple[Job, dict[str, Any]]]) -> tuple[Job, dict[str
 
 
 def bucket_loss(db: dict[str, Any], kind: str, bucket: str) -> float | None:
+    """The mean NLL (nats) of ``bucket`` in analysis ``kind`` (``symbol`` / ``ngram``) of one
+    evaluation's ``distance_buckets``; None when the bucket is empty or missing."""
     v = ((db.get(kind) or {}).get(bucket) or {}).get("loss")
     return float(v) if isinstance(v, (int, float)) else None
 
@@ -333,7 +335,8 @@ def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> b
 
 
 def file_part(corpus: str) -> str:
-    """A corpus name as part of a file name."""
+    """A corpus name as part of a file name (every run of other characters than letters, digits,
+    ``_``, ``.`` and ``-`` becomes ``_``)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus)
 
 
