@@ -29,8 +29,9 @@ Files written (each only when there is something to show):
   ``optim.lr`` form one search; per search, the job with the lowest validation loss, its
   learning rate and metrics, and the validation metric of every rate tried.
 - ``seeds.csv``: across seeds: training jobs whose overrides differ only in ``seed`` form one
-  configuration (a job that names no seed has its config's); per configuration, the number of seeds, the mean and sample standard
-  deviation of the valid and test metric, and each seed's test metric.
+  configuration (a job that names no seed has its config's); per configuration, the number of
+  seeds, the mean and sample standard deviation of the valid and test metric, and each seed's
+  test metric.
 - ``valid_curves.png``: validation metric against training step and against elapsed
   training time, one line per job (``metrics.jsonl``).
 - ``test_bars.png``: final test metric per training job (best checkpoint by validation).

@@ -6,9 +6,9 @@ weights evaluated with and without their cache have no such noise: where ``crtn-
 evaluated one checkpoint on the same tokens once with ``eval.n_slot=0`` (an empty cache, so the
 model reads only its Transformer-XL memory; docs/method.md §5) and with caches of other sizes,
 the difference of their ``distance_buckets`` (:mod:`crtn.analysis.distance`) is the cache's own
-effect on each bucket (docs/method.md §5, "What the cache contributes"). This is the same-model ablation of distant context of Sun et al. (2021),
-"Do Long-Range Language Models Actually Use Long-Range Context?", with the cache as the distant
-context.
+effect on each bucket (docs/method.md §5, "What the cache contributes"). This is the same-model
+ablation of distant context of Sun et al. (2021), "Do Long-Range Language Models Actually Use
+Long-Range Context?", with the cache as the distant context.
 
 - ``cache_effect.csv`` and a section of ``report.md``: per checkpoint, split, eval-time ``n_slot``
   and analysis (``symbol`` / ``ngram``, :data:`crtn.report.distance.KINDS`), the change of the
@@ -30,6 +30,7 @@ that makes the groups::
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,34 +43,26 @@ from crtn.report.plots import _figure, _legend, _legend_layout, _suptitle
 EMPTY = 0
 
 
-def _setting(j: Job, key: str) -> Any:
-    """An eval-time setting of an evaluation job: as its final evaluation recorded it, else as its
-    config gave it (``eval.<key>``)."""
-    fin = j.final() or {}
-    return fin[key] if key in fin else j.cfg(f"eval.{key}")
-
-
 def effect_groups(jobs: list[Job]) -> dict[tuple, list[tuple[Job, dict[str, Any]]]]:
     """Finished ``crtn-eval`` jobs with ``distance_buckets``, grouped by (corpus, checkpoint, split,
     tgt_len, mem_len, tokens); only groups with an ``n_slot=0`` job and at least one other, the
     ``n_slot=0`` job first, the others by ``n_slot``."""
-    groups: dict[tuple, list[tuple[Job, dict[str, Any]]]] = {}
+    groups: dict[tuple, list[tuple[int, Job, dict[str, Any]]]] = {}
     for j in jobs:
         fin = j.final() or {}
-        db = fin.get("distance_buckets")
-        if j.kind != "eval" or j.status != "done" or not isinstance(db, dict):
+        db, n_slot = fin.get("distance_buckets"), j.eval_setting("n_slot")
+        if j.kind != "eval" or j.status != "done" or not isinstance(db, dict) or not isinstance(n_slot, int):
             continue
-        if not all(isinstance(db.get(k), dict) for k in KINDS) or not isinstance(_setting(j, "n_slot"), int):
+        if not all(isinstance(db.get(k), dict) for k in KINDS):
             continue
-        checkpoint = (j.eval or {}).get("checkpoint", j.cfg("checkpoint"))
-        key = (str(db.get("corpus")), str(checkpoint), str(db.get("split")))
-        key += (_setting(j, "tgt_len"), _setting(j, "mem_len"), fin.get("tokens"))
-        groups.setdefault(key, []).append((j, db))
+        key = (str(db.get("corpus")), str(j.checkpoint), str(db.get("split")))
+        key += (j.eval_setting("tgt_len"), j.eval_setting("mem_len"), fin.get("tokens"))
+        groups.setdefault(key, []).append((n_slot, j, db))
     out = {}
     for key, members in groups.items():
-        members.sort(key=lambda p: (_setting(p[0], "n_slot") != EMPTY, _setting(p[0], "n_slot")))
-        if _setting(members[0][0], "n_slot") == EMPTY and len(members) >= 2:
-            out[key] = members
+        members.sort(key=lambda m: (m[0] != EMPTY, m[0]))
+        if members[0][0] == EMPTY and len(members) >= 2:
+            out[key] = [(j, db) for _, j, db in members]
     return out
 
 
@@ -85,11 +78,9 @@ def cache_effect_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]
         for j, db in others:
             for kind in KINDS:
                 row: dict[str, Any] = {"corpus": corpus, "checkpoint": checkpoint, "split": split}
-                row.update(job=j.name, n_slot=_setting(j, "n_slot"), top_k=_setting(j, "top_k"))
+                row.update(job=j.name, n_slot=j.eval_setting("n_slot"), top_k=j.eval_setting("top_k"))
                 row.update(analysis=kind, reference=ref.name)
-                row["total"] = (j.final() or {}).get("loss", float("nan")) - (ref.final() or {}).get(
-                    "loss", float("nan")
-                )
+                row["total"] = j.final().get("loss", math.nan) - ref.final().get("loss", math.nan)
                 n_all = sum((db[kind].get(b) or {}).get("tokens") or 0 for b in BUCKETS)
                 for b in BUCKETS:
                     mine, theirs = bucket_loss(db, kind, b), bucket_loss(ref_db, kind, b)

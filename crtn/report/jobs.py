@@ -82,6 +82,17 @@ class Job:
         source = self.results if self.kind == "train" else self.eval
         return source[split] if split and source else None
 
+    def eval_setting(self, key: str) -> Any:
+        """An eval-time setting (``n_slot``, ``top_k``, ``tgt_len``, ``mem_len``) of the final
+        evaluation: as the evaluation recorded it, else as ``eval.<key>`` of the config."""
+        fin = self.final() or {}
+        return fin[key] if key in fin else self.cfg(f"eval.{key}")
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint an evaluation job evaluated: as ``eval.json`` names it, else its config's."""
+        return (self.eval or {}).get("checkpoint", self.cfg("checkpoint"))
+
     def cfg(self, dotted: str) -> Any:
         """A value of ``.hydra/config.yaml`` by dotted key (None when absent)."""
         node: Any = self.config

@@ -200,10 +200,10 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
         e = j.eval or {}
         fin = j.final() or {}
         row: dict[str, Any] = {"job": j.name, "status": j.status}
-        row["checkpoint"] = e.get("checkpoint", j.cfg("checkpoint"))
+        row["checkpoint"] = j.checkpoint
         row["step"] = e.get("step")
         for k in ("n_slot", "top_k", "tgt_len", "mem_len"):
-            row[k] = fin.get(k, j.cfg(f"eval.{k}"))
+            row[k] = j.eval_setting(k)
         if all(isinstance(row[k], int) for k in ("n_slot", "tgt_len", "mem_len")):
             row["range_tokens"] = dependency_range(row["mem_len"], row["n_slot"], row["tgt_len"])
         for s in splits:
@@ -231,10 +231,8 @@ def _source_cols(evals: list[Any]) -> list[str]:
 
 
 def eval_sort_key(j: Job) -> tuple:
-    fin = j.final() or {}
-    n = fin.get("n_slot", j.cfg("eval.n_slot"))
-    ckpt = (j.eval or {}).get("checkpoint", j.cfg("checkpoint")) or ""
-    return (str(ckpt), n is None, n if isinstance(n, int) else 0, j.order)
+    n = j.eval_setting("n_slot")
+    return (str(j.checkpoint or ""), n is None, n if isinstance(n, int) else 0, j.order)
 
 
 def metrics_of(jobs: list[Job]) -> list[str]:
