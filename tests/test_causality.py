@@ -5,11 +5,11 @@ input token of one stream and run the streams again, segment by segment with mem
 carried as in evaluation. The prediction at position j (the top-layer state, from which the
 next-token distribution follows) reads the inputs up to j, so every prediction before the
 changed position must stay exactly as it was, and so must every prediction of the other
-stream. The changed positions lie in the last
-segments, after the cache has filled and started to evict, so the retrieval (its query, the
-slots' keys and the selected values) is part of what is checked, for every query x summary
-pairing, selection inside attention and the exact n-gram retrieval of the character-level
-results (cache.key_layer=0, cosine scores, one slot at full weight).
+stream. The changed positions lie in the last segments, after the cache has filled and started
+to evict, so the retrieval (its query, the slots' keys and the selected values) is part of what
+is checked, for every query x summary pairing, selection inside attention and the exact n-gram
+retrieval of the character-level results (cache.key_layer=0, cosine scores, one slot at full
+weight).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from crtn.analysis.distance import BUCKETS
-from crtn.report.distance import KINDS, bucket_loss, file_part
+from crtn.report.distance import KINDS, bucket_loss, file_part, group_rows
 from crtn.report.jobs import Job
 from crtn.report.plots import _figure, _legend, _legend_layout, _suptitle
 
@@ -109,7 +109,7 @@ def cache_effect_markdown(jobs: list[Job]) -> list[str]:
         "its share of the tokens to the total (`contrib_*` in the CSV).",
         "",
     ]
-    for (checkpoint, split), group in _by_checkpoint(rows).items():
+    for (checkpoint, split), group in group_rows(rows, "checkpoint", "split").items():
         lines += [f"### {checkpoint} ({split} split; reference: job {group[0]['reference']})", ""]
         lines.append("| job | n_slot | analysis | total | " + " | ".join(BUCKETS) + " |")
         lines.append("|---|---:|---|---:|" + "---:|" * len(BUCKETS))
@@ -130,13 +130,6 @@ def cache_effect_markdown(jobs: list[Job]) -> list[str]:
 
 def _cell(v: float | None, fmt: str) -> str:
     return "" if v is None or v != v else fmt.format(v)
-
-
-def _by_checkpoint(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["checkpoint"], r["split"]), []).append(r)
-    return groups
 
 
 def plot_cache_effect(rows: list[dict[str, Any]], path: Path, title: str) -> bool:

@@ -190,11 +190,11 @@ def distance_seed_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]
     return cols, rows
 
 
-def _by_baseline(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], list[dict[str, Any]]]:
-    """Rows of :func:`distance_seed_table` grouped by (corpus, baseline configuration), in order."""
-    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+def group_rows(rows: list[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
+    """Table rows grouped by their values of ``keys`` (a tuple per group), groups and rows in order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["corpus"], r["baseline"]), []).append(r)
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
     return groups
 
 
@@ -212,7 +212,7 @@ def distance_seed_markdown(jobs: list[Job]) -> list[str]:
         "A difference within about two standard errors of zero does not separate the models.",
         "",
     ]
-    for (corpus, base), mine in _by_baseline(rows).items():
+    for (corpus, base), mine in group_rows(rows, "corpus", "baseline").items():
         diff = base is not None
         what = f"minus {BASELINE} ({base})" if diff else f"mean NLL; no {BASELINE} configuration"
         lines += [f"### {corpus}: {what}", ""]
@@ -350,7 +350,7 @@ def distance_plots(jobs: list[Job], title: str, colors: dict) -> list[tuple[str,
         )
     _, rows = distance_seed_table(jobs)
     count: dict[str, int] = {}
-    for (corpus, base), group in _by_baseline(rows).items():
+    for (corpus, base), group in group_rows(rows, "corpus", "baseline").items():
         if base is None:
             continue
         count[corpus] = count.get(corpus, 0) + 1  # a second txl configuration of the corpus: _2, ...
