@@ -195,7 +195,8 @@ class ConvertAppSpec:
 @dataclass(frozen=True)
 class ReclAppSpec:
     """Root of ``crtn-recl``'s config (``conf/recl.yaml``): the relative effective context length
-    of a group of checkpoints (Dai et al. 2019, section 4.3; :mod:`crtn.analysis.recl`).
+    of a group of checkpoints (Dai et al. 2019, section 4.3 and appendix, or the CRTN authors'
+    variant: ``definition``; :mod:`crtn.analysis.recl`).
     ``cache.*``/``data.*`` given on the command line apply to every checkpoint, as in crtn-eval."""
 
     checkpoints: list[str] = MISSING  # the model group, evaluated on the corpus of the first
@@ -207,7 +208,10 @@ class ReclAppSpec:
     delta: int = MISSING
     c_max: int = MISSING
     ratios: list[float] = field(default_factory=lambda: [0.1, 0.5, 1.0])  # r, fraction of hardest tokens
-    threshold: float = 0.01
+    # dai (Dai et al. 2019, appendix: relative perplexity reduction) | crtn_authors (the CRTN
+    # authors' CRTN/recl.py: relative loss reduction); crtn.analysis.recl, docs/method.md §5
+    definition: str = "dai"
+    threshold: float | None = None  # on the relative gain; None: the definition's (recl.THRESHOLDS)
     max_tokens: int = 10_000  # tokens scored (the same for every model), max_tokens // batch_size per stream
     batch_size: int | None = None  # streams; None: the first checkpoint's data.eval_batch_size
     # each query attends exactly mem_len positions (itself included), as Transformer-XL's RECL

@@ -1,8 +1,12 @@
 """``crtn-recl``: the relative effective context length of a group of checkpoints (Dai et al. 2019,
-section 4.3; the definition is in :mod:`crtn.analysis.recl`; docs/method.md §5).
+section 4.3 and appendix, or the CRTN authors' variant; the definitions are in
+:mod:`crtn.analysis.recl`; docs/method.md §5).
 
     crtn-recl 'checkpoints=[txl/best.pt,crtn/best.pt]' 'names=[txl,crtn]' delta=64 c_max=640 \\
-        split=test 'ratios=[0.1,1.0]' threshold=0.01 max_tokens=10000
+        split=test 'ratios=[0.1,1.0]' max_tokens=10000 [definition=crtn_authors] [threshold=T]
+
+``definition`` picks the gain, the threshold (unless ``threshold`` is given), the hardest-token
+count and the base (:mod:`crtn.analysis.recl`).
 
 Context length c of each model (:func:`context_lengths`):
 
@@ -47,12 +51,20 @@ from typing import Any
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from crtn.analysis.recl import plot_gains, recl_markdown, recl_of, recl_text, relative_gains
+from crtn.analysis.recl import (
+    DEFINITIONS,
+    THRESHOLDS,
+    plot_gains,
+    recl_markdown,
+    recl_of,
+    recl_text,
+    relative_gains,
+)
 from crtn.app import given_keys, resolve_device, run_app
 from crtn.checkpoint import checkpoint_spec, load_checkpoint
 from crtn.config import EvalSpec
 from crtn.data import load_corpus
-from crtn.errors import ConfigError, DataError
+from crtn.errors import ConfigError, DataError, check_choice
 from crtn.evaluate import check_vocab, evaluate
 from crtn.model import TransformerLM, build_model, evaluation_spec, with_spec
 from crtn.utils import atomic_write_text
@@ -274,11 +286,14 @@ def loss_grid(
 
 
 def recl_result(cfg: Any, members: list[Member], losses: torch.Tensor, contexts: list[int]) -> dict[str, Any]:
-    """The ``recl.json`` dict (module docstring) from the loss grid [M, C, T]."""
+    """The ``recl.json`` dict (module docstring) from the loss grid [M, C, T], under
+    ``cfg.definition`` and its threshold (:func:`threshold_of`)."""
+    threshold = threshold_of(cfg)
     result: dict[str, Any] = {
         "contexts": contexts,
         "delta": cfg.delta,
-        "threshold": cfg.threshold,
+        "definition": cfg.definition,
+        "threshold": threshold,
         "same_length": cfg.same_length,
         "models": [
             {
@@ -296,17 +311,28 @@ def recl_result(cfg: Any, members: list[Member], losses: torch.Tensor, contexts:
         "recl": {},
     }
     for r in cfg.ratios:
-        gains = relative_gains(losses, float(r))
+        gains = relative_gains(losses, float(r), cfg.definition)
         per_model = {}
         for m, g in zip(members, gains.tolist()):
-            recl, status = recl_of(g, contexts, cfg.threshold)
+            recl, status = recl_of(g, contexts, threshold)
             per_model[m.name] = {"recl": recl, "status": status, "gains": g}
         result["recl"][str(r)] = per_model
     return result
 
 
+def threshold_of(cfg: Any) -> float:
+    """``threshold``, else the threshold of ``definition`` (:data:`crtn.analysis.recl.THRESHOLDS`).
+
+    Raises:
+        ConfigError: ``definition`` is not one of :data:`crtn.analysis.recl.DEFINITIONS`.
+    """
+    check_choice("definition", cfg.definition, DEFINITIONS)
+    return THRESHOLDS[cfg.definition] if cfg.threshold is None else float(cfg.threshold)
+
+
 def run_recl(cfg: Any) -> dict[str, Any]:
     """``crtn-recl``: load the group, check the settings, compute the loss grid, write the outputs."""
+    threshold_of(cfg)  # a bad definition fails before any checkpoint is read
     device = resolve_device(cfg.device)
     corpus, members, batch_size = load_group(cfg, device)
     contexts = check_contexts(cfg, members)
@@ -325,8 +351,8 @@ def run_recl(cfg: Any) -> dict[str, Any]:
     atomic_write_text(out / "recl.md", recl_markdown(result))
     plot_gains(result, out / "recl_gain.png")
     for r, per_model in result["recl"].items():
-        line = ", ".join(f"{n} {recl_text(e, contexts)}" for n, e in per_model.items())
-        print(f"RECL r={r}: {line}", flush=True)
+        line = ", ".join(f"{n} {recl_text(e)}" for n, e in per_model.items())
+        print(f"RECL ({cfg.definition}) r={r}: {line}", flush=True)
     log.info("wrote %s", out / "recl.json")
     return result
 
