@@ -4,8 +4,9 @@
 |-----------------|-----------------------------------------------------------------------|
 | ``distance.py`` | loss by distance to the previous occurrence of the target (symbol and  |
 |                 | longest n-gram, n <= 4), per stream; ``distance_buckets`` of evaluate() |
-| ``recl.py``     | relative effective context length (Dai et al. 2019, section 4.3): the  |
-|                 | relative gain and RECL of a model group, its table and plot            |
+| ``recl.py``     | relative effective context length (Dai et al. 2019, appendix, and the  |
+|                 | CRTN authors' variant): the relative gain and RECL of a model group,   |
+|                 | its table and plot                                                     |
 | ``recl_app.py`` | ``crtn-recl``: per-token losses of several checkpoints at growing      |
 |                 | context lengths, then RECL                                             |
 
