@@ -24,7 +24,7 @@ Names follow the Transformer-XL release (``n_layer``, ``d_model``, ``tgt_len``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -45,7 +45,7 @@ from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
-from crtn.model import dependency_range, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
+from crtn.model import dependency_range, drop_unread, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
 from crtn.model import evaluation_spec as _evaluation_spec
 from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
 from crtn.optim import validate_training
@@ -538,10 +538,6 @@ def load_spec(config: dict[str, Any], overrides: dict[str, Any] | None = None) -
     return resolve(node)
 
 
-_SUMMARY_KEYS = frozenset(f.name for f in fields(SummarySpec))
-_QUERY_KEYS = frozenset(f.name for f in fields(QuerySpec))
-
-
 def upgrade(config: dict[str, Any]) -> dict[str, Any]:
     """A config saved by an earlier version, made loadable with the behaviour it was trained with:
 
@@ -556,18 +552,13 @@ def upgrade(config: dict[str, Any]) -> dict[str, Any]:
     Returns a new dict; the saved one is not changed.
     """
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-    summary, query, model = out.get("summary"), out.get("query"), out.get("model") or {}
+    summary, model = out.get("summary"), out.get("model") or {}
     cls = SUMMARY_CLASSES.get((summary or {}).get("name"))
-    strategy = STRATEGY_CLASSES.get((query or {}).get("strategy"))
     if uses_cache(model.get("name")) and cls is not None:
         for key, value in getattr(cls, "LEGACY", {}).items():
             summary.setdefault(key, value)
-        unused = strategy.ignores_summary if strategy is not None else frozenset()
-        for key in [k for k in summary if k in _SUMMARY_KEYS and (k not in cls.reads or k in unused)]:
-            del summary[key]
-    if uses_cache(model.get("name")) and strategy is not None:
-        for key in [k for k in query if k in _QUERY_KEYS and k not in strategy.reads]:
-            del query[key]
+    if uses_cache(model.get("name")):
+        drop_unread(summary, out.get("query"))
     data = out.get("data")
     if isinstance(data, dict) and data.get("name") != "text":
         data["split"] = None

@@ -29,7 +29,8 @@ from crtn.config import (
 from crtn.errors import ConfigError
 from crtn.model import STRATEGIES, SUMMARIES, build_model, evaluation_spec, model_class, resolve_spec
 from crtn.model.spec import QuerySpec, SummarySpec
-from tests.helpers import compose_train, tiny_cfg, tiny_model
+from crtn.train import main as train_main
+from tests.helpers import TINY_RUN, compose_train, run_main, tiny_cfg, tiny_model
 
 #: docs/configuration.md: who reads each option (every strategy reads query.strategy and
 #: query.detach, every summary summary.name)
@@ -224,6 +225,21 @@ def test_same_length_without_memory_is_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
         resolve(compose_train(overrides))
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("model", ["txl", "crtn"])
+def test_same_length_without_memory_stops_crtn_train_before_any_step(model, tmp_path, capfd):
+    """The run that used to end in "training loss became nan by step 5" is refused before the
+    run folder gets a checkpoint or a logged step."""
+    run = tmp_path / "run"
+    args = [*TINY_RUN, f"model={model}", "model.mem_len=0", "model.same_length=true", f"hydra.run.dir={run}"]
+    args = [a for a in args if model != "txl" or not a.startswith("cache.")]
+    code, out, err = run_main(train_main, "crtn-train", args, capfd)
+    assert code == 2 and err.strip().splitlines() == [
+        "crtn-train: error: model.same_length=true with model.mem_len=0 masks every position of every "
+        "query (each attends its mem_len latest positions): use model.same_length=false or a memory"
+    ]
+    assert not (run / "checkpoints").exists() and "step" not in out
 
 
 @pytest.mark.parametrize("name", ["vanilla", "txl", "crtn"])
