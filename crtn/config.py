@@ -45,7 +45,7 @@ from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
-from crtn.model import dependency_range, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
+from crtn.model import dependency_range, drop_unread, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
 from crtn.model import evaluation_spec as _evaluation_spec
 from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
 from crtn.optim import validate_training
@@ -147,14 +147,27 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class EvalCacheSpec(CacheSpec):
+    """The ``cache`` group of ``crtn-eval`` and ``crtn-generate``: the checkpoint's cache options
+    that evaluation may change (``cache.backend=faiss``, ``cache.dtype``...). The cache's sizes
+    have one route, ``eval.n_slot`` and ``eval.top_k`` (:class:`EvalSpec`, as in ``crtn-train``):
+    here they are null, and a value is refused (:func:`check_eval_cache`)."""
+
+    n_slot: int | None = None  # refused: eval.n_slot sets the evaluation's cache size
+    top_k: int | None = None  # refused: eval.top_k sets the segments retrieved at evaluation
+
+
+@dataclass(frozen=True)
 class EvalAppSpec:
     """Root of ``crtn-eval``'s config (``conf/eval.yaml``). ``cache.*`` and ``data.*`` keys given on
-    the command line replace the checkpoint's (:func:`crtn.app.given_keys`); the others keep it."""
+    the command line replace the checkpoint's (:func:`crtn.app.given_keys`); the others keep it.
+    The evaluation's cache size is ``eval.n_slot``/``eval.top_k`` (``cache.n_slot`` and
+    ``cache.top_k`` are refused, :func:`check_eval_cache`)."""
 
     checkpoint: str = MISSING
     splits: list[str] = field(default_factory=lambda: ["valid", "test"])
     eval: EvalSpec = field(default_factory=EvalSpec)
-    cache: CacheSpec = field(default_factory=CacheSpec)
+    cache: EvalCacheSpec = field(default_factory=EvalCacheSpec)
     data: DataSpec = field(default_factory=DataSpec)
     device: str = "cpu"
     progress: bool = True
@@ -169,12 +182,12 @@ class GenerateAppSpec:
     prompt_file: str | None = None  # read the prompt from this UTF-8 file instead
     max_new_tokens: int = 50
     temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # sample among the k most likely tokens; 0: all (cache.top_k is unrelated)
+    top_k: int = 0  # sample among the k most likely tokens; 0: all (eval.top_k is unrelated)
     seed: int = 1111
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     out: str | None = None  # also write a JSON record (prompt, ids, text, settings) here
-    eval: EvalSpec = field(default_factory=EvalSpec)  # eval-time lengths, as crtn-eval
-    cache: CacheSpec = field(default_factory=CacheSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)  # eval-time lengths and cache size, as crtn-eval
+    cache: EvalCacheSpec = field(default_factory=EvalCacheSpec)
     data: DataSpec = field(default_factory=DataSpec)  # where the corpus is (vocab fallback)
 
 
@@ -483,6 +496,23 @@ def resolve_eval(ev: EvalSpec, spec: Spec, data: DataSpec) -> EvalSpec:
     )
 
 
+def check_eval_cache(cache: Any) -> None:
+    """Refuse ``cache.n_slot`` and ``cache.top_k`` in ``crtn-eval``/``crtn-generate``, wherever they
+    were set (command line or config file): the evaluation's cache size is ``eval.n_slot`` and
+    ``eval.top_k``, its one route (:class:`EvalCacheSpec`).
+
+    Raises:
+        ConfigError: ``cache.n_slot=16 is not read at evaluation: give eval.n_slot=16``.
+    """
+    for key in ("n_slot", "top_k"):
+        value = getattr(cache, key)
+        if value is not None:
+            raise ConfigError(
+                f"cache.{key}={value} is not read at evaluation: give eval.{key}={value} "
+                "(the evaluation's cache size)"
+            )
+
+
 def spec_dict(spec: Any) -> dict[str, Any]:
     """A spec as plain nested dicts and lists (what a checkpoint stores as its ``config``)."""
     return _plain(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True))
@@ -517,6 +547,9 @@ def upgrade(config: dict[str, Any]) -> dict[str, Any]:
 
     - keys a summary gained later take the value its training used (the class's ``LEGACY``, e.g.
       token_max's ``ngram`` 1 and ``shift`` 0) when the saved config lacks them;
+    - ``summary.*`` and ``query.*`` keys that the saved summary or strategy does not read (its
+      ``reads``; the strategy's ``ignores_summary``) are dropped: they changed nothing in training,
+      and resolving now refuses them where they are set;
     - ``data.split`` and ``data.level`` as the schema once wrote them for every corpus are cleared
       where the corpus ignores them (only ``data.name=text`` reads either).
 
@@ -528,6 +561,8 @@ def upgrade(config: dict[str, Any]) -> dict[str, Any]:
     if uses_cache(model.get("name")) and cls is not None:
         for key, value in getattr(cls, "LEGACY", {}).items():
             summary.setdefault(key, value)
+    if uses_cache(model.get("name")):
+        drop_unread(summary, out.get("query"))
     data = out.get("data")
     if isinstance(data, dict) and data.get("name") != "text":
         data["split"] = None

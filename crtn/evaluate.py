@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from crtn.app import given_keys, resolve_device, run_app
 from crtn.checkpoint import checkpoint_spec, load_checkpoint
-from crtn.config import RunSpec, metric_name
+from crtn.config import RunSpec, check_eval_cache, metric_name
 from crtn.data import load_corpus
 from crtn.errors import CheckpointError, UserError
 from crtn.measures import Measures, format_answers
@@ -148,11 +148,14 @@ def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], RunSpec]:
     """Read ``cfg.checkpoint`` and make the run spec of its evaluation: the checkpoint's, with the
     ``cache.*`` and ``data.*`` keys given on the command line and the app's ``eval.*`` settings
     (:func:`crtn.checkpoint.checkpoint_spec`; the evaluation model is built from
-    :meth:`RunSpec.evaluation`). Used by crtn-eval and crtn-generate.
+    :meth:`RunSpec.evaluation`). The cache's size comes from ``eval.n_slot``/``eval.top_k`` only.
+    Used by crtn-eval and crtn-generate.
 
     Raises:
-        CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse.
+        CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse,
+            ``cache.n_slot`` or ``cache.top_k`` set (:func:`crtn.config.check_eval_cache`).
     """
+    check_eval_cache(cfg.cache)
     ckpt = load_checkpoint(cfg.checkpoint)
     overrides = {
         "cache": given_keys(cfg, "cache"),

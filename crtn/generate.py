@@ -17,7 +17,7 @@ text from a fresh state, segment by segment, gives at that position
 
 Sampling (:func:`sample_next`): ``temperature`` divides the log-probabilities
 (0: greedy argmax); ``top_k > 0`` keeps the k most likely tokens (not to be confused
-with ``cache.top_k``, the number of retrieved segments). Draws come from one
+with ``eval.top_k``, the number of retrieved segments). Draws come from one
 ``torch.Generator`` seeded with ``seed``: the same seed gives the same text.
 
 Text <-> ids (:func:`encode_prompt`, :func:`decode`): word-level corpora split the

@@ -84,6 +84,7 @@ def world(tmp_path_factory) -> Path:
     syn = _train(w, "syn")
     _train(w, "ptb", *ptb[:2])
     _train(w, "char", "data=text", f"data.path={texts / 'chars.txt'}", "data.level=char")
+    _train(w, "vanilla", "model=vanilla")
     bad = w / "bad"
     bad.mkdir()
     raw = syn.read_bytes()
@@ -135,6 +136,7 @@ class Case:
 
 
 T = [*TINY_RUN, "hydra.run.dir={out}/run"]
+T_TXL = [a for a in T if not a.startswith("cache.")]  # no cache options (refused for a model without one)
 PTB = ["data=ptb", "data.root={w}/data/ok", "data.batch_size=2", "data.eval_batch_size=2"]
 SYN = "{w}/ckpt/syn/checkpoints/last.pt"
 PTB_CKPT = "{w}/ckpt/ptb/checkpoints/last.pt"
@@ -161,6 +163,30 @@ CASES = [
     ),
     Case("max_step 0", "crtn-train", [*T, "train.max_step=0"], ["train.max_step=0"]),
     Case("eval length", "crtn-train", [*T, "eval.tgt_len=3"], ["eval.mem_len=8", "eval.tgt_len=3"]),
+    Case(
+        "same_length without memory",
+        "crtn-train",
+        [*T, "model.mem_len=0", "model.same_length=true"],
+        ["model.same_length=true with model.mem_len=0 masks every position of every query"],
+    ),
+    Case(
+        "same_length vanilla",
+        "crtn-train",
+        [*T_TXL, "model=vanilla", "model.same_length=true"],
+        ["model.same_length=true masks every position of every query of model=vanilla"],
+    ),
+    Case(
+        "summary option unread",
+        "crtn-train",
+        [*T, "query=last_l", "summary=mean", "summary.tanh=true"],
+        ["summary.tanh=true is ignored by summary=mean (only linear reads it)"],
+    ),
+    Case(
+        "query option unread",
+        "crtn-train",
+        [*T, "query.tanh=true"],
+        ["query.tanh=true is ignored by query=token (only linear|single_linear read it)"],
+    ),
     Case("no cuda", "crtn-train", [*T, "train.device=cuda"], ["train.device='cuda'"]),
     # ------------------------------------------------------------------ crtn-train: corpora
     Case("corpus missing", "crtn-train", [*T, *PTB, "data.root={w}/nowhere"], ["{w}/nowhere/penn"]),
@@ -291,6 +317,18 @@ CASES = [
         [*EV, f"checkpoint={PTB_CKPT}", "data.root={w}/data/other"],
         ["{w}/data/other", "vocabulary"],
     ),
+    Case(
+        "eval cache.n_slot",
+        "crtn-eval",
+        [*EV, f"checkpoint={SYN}", "cache.n_slot=16"],
+        ["cache.n_slot=16 is not read at evaluation: give eval.n_slot=16"],
+    ),
+    Case(
+        "eval same_length vanilla",
+        "crtn-eval",
+        [*EV, "checkpoint={w}/ckpt/vanilla/checkpoints/last.pt", "eval.same_length=true"],
+        ["eval.same_length=true masks every position of every query of model=vanilla"],
+    ),
     Case("eval unknown key", "crtn-eval", [*EV, f"checkpoint={SYN}", "+eval.nonsense=1"], ["eval.nonsense"]),
     # ------------------------------------------------------------------ crtn-generate
     Case("generate missing", "crtn-generate", ["checkpoint={w}/bad/nope.pt"], ["{w}/bad/nope.pt"]),
@@ -316,6 +354,12 @@ CASES = [
     ),
     Case(
         "generate temperature", "crtn-generate", [f"checkpoint={SYN}", "temperature=-1"], ["temperature=-1"]
+    ),
+    Case(
+        "generate cache.top_k",
+        "crtn-generate",
+        [f"checkpoint={SYN}", "cache.top_k=1"],
+        ["cache.top_k=1 is not read at evaluation: give eval.top_k=1"],
     ),
     Case(
         "generate eval length", "crtn-generate", [f"checkpoint={SYN}", "eval.tgt_len=0"], ["eval.tgt_len=0"]

@@ -105,17 +105,17 @@ def test_each_layer_and_head_selects_on_its_own():
         ),
         (
             ["query=gate", "summary=token_max", "summary.d_key=8"],
-            "summary.d_key=8 applies to the query strategies",
+            "summary.d_key=8 is ignored by query=gate (with summary=token_max, only token|single_linear read it)",
         ),
         (
             ["query=gate", "summary=token_max", "summary.cosine=true"],
-            "summary.cosine=true applies to the query strategies, not query=gate",
+            "summary.cosine=true is ignored by query=gate (with summary=token_max, only token|single_linear read it)",
         ),
         (
             ["query=gate", "cache.key_layer=2"],
             "cache.key_layer=2 applies to the query strategies, not query=gate",
         ),
-        (["query.per_head=true"], "query.per_head=true applies to query=gate only"),
+        (["query.per_head=true"], "query.per_head=true is ignored by query=token (only gate reads it)"),
         (["query=gate", "summary=linear"], "query=gate cannot be paired with summary=linear"),
     ],
 )

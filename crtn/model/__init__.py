@@ -25,7 +25,7 @@ parameters (:func:`with_spec`), never a change to a built model.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from crtn.errors import ConfigError, check_choice
@@ -59,6 +59,7 @@ __all__ = [
     "VanillaLM",
     "build_model",
     "dependency_range",
+    "drop_unread",
     "evaluation_spec",
     "model_class",
     "resolve_spec",
@@ -94,6 +95,25 @@ def resolve_spec(source: Any) -> Spec:
     """
     spec = model_specs(source)
     return model_class(spec.model.name).resolve(spec)
+
+
+def drop_unread(summary: dict[str, Any] | None, query: dict[str, Any] | None) -> None:
+    """Remove from a saved config's ``summary`` and ``query`` nodes (plain dicts, changed in place;
+    None: absent) the options its summary and strategy do not read (their ``reads``; the
+    strategy's ``ignores_summary``), so a checkpoint trained while such an option was accepted
+    loads as what it ran. Keys that are not options of the spec stay (the schema refuses them).
+    """
+    summary_cls = SUMMARIES.get((summary or {}).get("name"))
+    strategy = STRATEGIES.get((query or {}).get("strategy"))
+    if summary is not None and summary_cls is not None:
+        unused = strategy.ignores_summary if strategy is not None else frozenset()
+        options = {f.name for f in fields(SummarySpec)}
+        for key in [k for k in summary if k in options and (k not in summary_cls.reads or k in unused)]:
+            del summary[key]
+    if query is not None and strategy is not None:
+        options = {f.name for f in fields(QuerySpec)}
+        for key in [k for k in query if k in options and k not in strategy.reads]:
+            del query[key]
 
 
 def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:

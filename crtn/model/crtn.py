@@ -120,10 +120,12 @@ class CRTN(TransformerLM):
     @classmethod
     def resolve(cls, spec: Spec) -> Spec:
         """Transformer-XL's resolution (:meth:`TransformerLM.resolve`), then the cache's
-        (:func:`crtn.model.cache.resolve_cache`), the strategy's (pairing, ``query.tanh``), the
-        summary's (``ngram``, ``shift``, ``d_key``...) and the model's own: ``mem_len`` a multiple
-        of ``tgt_len`` (renewal, docs/method.md §3 step 5), ``cache.layers`` (None: all) and
-        ``cache.key_layer`` (None: the top, or the input of the first retrieving layer).
+        (:func:`crtn.model.cache.resolve_cache`), the strategy's (pairing, the options it reads),
+        the summary's (``ngram``, ``shift``, ``d_key``..., the options it reads), the summary
+        options the strategy leaves unused (:meth:`crtn.model.query.QueryStrategy.check_summary`)
+        and the model's own: ``mem_len`` a multiple of ``tgt_len`` (renewal, docs/method.md §3
+        step 5), ``cache.layers`` (None: all) and ``cache.key_layer`` (None: the top, or the input
+        of the first retrieving layer).
 
         Raises:
             ConfigError: one line naming the offending key and value.
@@ -139,13 +141,15 @@ class CRTN(TransformerLM):
         check_choice("summary.name", spec.summary.name, SUMMARIES)
         summary_cls = SUMMARIES[spec.summary.name]
         cache = resolve_cache(spec.cache, summary_cls)
-        query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
+        strategy_cls = STRATEGIES[spec.query.strategy]
+        query = strategy_cls.resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
+        strategy_cls.check_summary(summary)  # options of the summary the strategy leaves unused
         if summary.shortlist is not None and cache.top_k > summary.shortlist:
             raise ConfigError(
                 f"cache.top_k={cache.top_k} selects more slots than summary.shortlist={summary.shortlist} keeps"
             )
-        gate = STRATEGIES[query.strategy].in_attention
+        gate = strategy_cls.in_attention
         if gate:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
                 raise ConfigError(
@@ -154,15 +158,6 @@ class CRTN(TransformerLM):
                 )
             if cache.backend == "faiss":
                 raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
-            for key, value in (
-                ("summary.d_key", summary.d_key),
-                ("summary.cosine", "true" if summary.cosine else None),
-            ):
-                if value is not None:
-                    raise ConfigError(
-                        f"{key}={value} applies to the query strategies, not query=gate (it scores with each "
-                        "layer's own projections)"
-                    )
         return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:

@@ -35,7 +35,11 @@ Each strategy is a small class registered in :data:`STRATEGIES` under its config
 (``needs_query_pass``: R_cur; ``needs_r_prev``: R_prev; ``needs_prev_tokens``:
 X_{t-1}'s tokens; ``needs_prev_states``: X_{t-1}'s stored states), its ``kind``
 (``window`` or ``token``, which decides the summaries it pairs with, see
-``summary.py``) and whether its weights are built for one L (``length_bound``).
+``summary.py``) and whether its weights are built for one L (``length_bound``), and the
+fields of :class:`crtn.model.spec.QuerySpec` it reads (``reads``: a value other than the
+default of any other field is refused, e.g. ``query.tanh=true`` with ``query=token``) and those
+of :class:`crtn.model.spec.SummarySpec` it leaves unused (``ignores_summary``: ``gate`` scores
+with each layer's own projections, so a summary's ``d_key`` and ``cosine`` would be ignored).
 A new strategy is one class here (plus ``conf/query/NAME.yaml``); see CONTRIBUTING.md.
 """
 
@@ -43,13 +47,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.spec import ModelSpec, QuerySpec
+from crtn.model.spec import ModelSpec, QuerySpec, SummarySpec, first_unread, only_readers
 from crtn.model.summary import GATE, SUMMARIES, TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
@@ -178,8 +182,11 @@ class QueryStrategy(nn.Module):
     needs_prev_tokens: bool = False
     needs_prev_states: bool = False
     length_bound: bool = False
-    learned: bool = False  # has weights of its own (query.tanh applies)
     in_attention: bool = False  # selects inside each retrieving layer's attention (no queries here)
+    #: the QuerySpec fields this strategy reads; any other set to a non-default value is refused
+    reads: frozenset[str] = frozenset({"strategy", "detach"})
+    #: SummarySpec fields its summary reads that this strategy leaves unused (refused when set)
+    ignores_summary: frozenset[str] = frozenset()
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
         super().__init__()
@@ -188,10 +195,12 @@ class QueryStrategy(nn.Module):
     @classmethod
     def resolve(cls, spec: QuerySpec, summary: str) -> QuerySpec:
         """Check the strategy's options (nothing to fill): the pairing with ``summary`` (by the
-        strategy's ``kind``, :func:`valid_summaries`) and ``query.tanh`` (strategies with weights).
+        strategy's ``kind``, :func:`valid_summaries`) and the options it reads (:attr:`reads`).
 
         Raises:
-            ConfigError: an invalid pairing (listing the valid ones), or tanh without weights.
+            ConfigError: an invalid pairing (listing the valid ones); a field outside
+                :attr:`reads` set to a value other than its default, e.g.
+                ``query.tanh=true is ignored by query=token (only linear|single_linear read it)``.
         """
         if summary not in valid_summaries(cls.strategy):
             by_kind: dict[str, list[str]] = {}
@@ -201,14 +210,32 @@ class QueryStrategy(nn.Module):
             raise ConfigError(
                 f"query={cls.strategy} cannot be paired with summary={summary}. Valid pairs: {pairs}"
             )
-        if spec.per_head and not cls.in_attention:
-            raise ConfigError(f"query.per_head=true applies to query=gate only, not query={cls.strategy}")
-        if spec.tanh and not cls.learned:
-            learned = "|".join(q for q, c in STRATEGIES.items() if c.learned)
-            raise ConfigError(
-                f"query.tanh=true applies to the strategies with weights ({learned}), not query={cls.strategy}"
-            )
+        unread = first_unread(spec, cls.reads)
+        if unread is not None:
+            key, value = unread
+            readers = only_readers(q for q, c in STRATEGIES.items() if key in c.reads)
+            raise ConfigError(f"query.{key}={value} is ignored by query={cls.strategy} ({readers})")
         return spec
+
+    @classmethod
+    def check_summary(cls, summary: SummarySpec) -> None:
+        """Refuse a field of the (resolved) ``summary`` spec that this strategy leaves unused
+        (:attr:`ignores_summary`) set to a value other than its default.
+
+        Raises:
+            ConfigError: ``summary.d_key=8 is ignored by query=gate (...)``.
+        """
+        unread = first_unread(summary, {f.name for f in fields(SummarySpec)} - cls.ignores_summary)
+        if unread is not None:
+            key, value = unread
+            readers = only_readers(
+                q
+                for q, c in STRATEGIES.items()
+                if key not in c.ignores_summary and summary.name in valid_summaries(q)
+            )
+            raise ConfigError(
+                f"summary.{key}={value} is ignored by query={cls.strategy} (with summary={summary.name}, {readers})"
+            )
 
     @classmethod
     def from_spec(cls, spec: QuerySpec, model: ModelSpec, d_key: int) -> QueryStrategy:
@@ -226,8 +253,7 @@ class QueryStrategy(nn.Module):
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
         """Queries [B, L', d_key] (``token``: R_cur itself, [B, L', d])."""
         w, token_row = self.windows(x)
-        q = summary.query(w, token_row)
-        return torch.tanh(q) if self.tanh else q
+        return summary.query(w, token_row)
 
     def _last_row(self, w: Tensor) -> tuple[Tensor, Tensor]:
         return w, torch.full((w.shape[1],), self.seg_len - 1, dtype=torch.long, device=w.device)
@@ -296,7 +322,8 @@ class MiddleL(QueryStrategy):
 class Linear(QueryStrategy):
     """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (docs/method.md §3, Query strategies)."""
 
-    strategy, needs_r_prev, length_bound, learned = "linear", True, True, True
+    strategy, needs_r_prev, length_bound = "linear", True, True
+    reads = QueryStrategy.reads | {"tanh"}
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
@@ -306,6 +333,11 @@ class Linear(QueryStrategy):
         assert x.r_prev is not None and x.r_cur is not None
         lq = x.r_cur.shape[1]
         return linear_windows(x.r_prev, x.r_cur, self.seq_linear), torch.arange(lq, device=x.r_cur.device)
+
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        """The summary of each window [B, L', d_key], through tanh with ``query.tanh``."""
+        q = super().forward(summary, x)
+        return torch.tanh(q) if self.tanh else q
 
 
 class Token(QueryStrategy):
@@ -325,7 +357,8 @@ class SingleLinear(QueryStrategy):
     (d_key = d for the summaries it pairs with; keys are not projected, as in the authors' code).
     """
 
-    strategy, kind, learned = "single_linear", TOKEN, True
+    strategy, kind = "single_linear", TOKEN
+    reads = QueryStrategy.reads | {"tanh"}
 
     def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
@@ -354,6 +387,8 @@ class Gate(QueryStrategy):
     :class:`crtn.model.gate.Gate`."""
 
     strategy, kind, needs_query_pass, in_attention = "gate", GATE, False, True
+    reads = QueryStrategy.reads | {"per_head"}
+    ignores_summary = frozenset({"d_key", "cosine"})  # it scores with each layer's own projections
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
         raise ValueError("query=gate selects inside attention (crtn/model/gate.py): it builds no queries")
@@ -385,7 +420,7 @@ def make_query(
 
     Args:
         seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output);
-        tanh: tanh on the queries (``query.tanh``, strategies with ``learned``).
+        tanh: tanh on the queries (``query.tanh``, strategies whose ``reads`` hold it).
 
     Raises:
         ConfigError: unknown name.

@@ -11,11 +11,16 @@ config node.
 ``None`` marks a default derived from other options (e.g. ``model.d_embed``: ``d_model``);
 resolution replaces it. Where ``None`` is an option of its own (``summary.d_key`` of
 ``token_max``: no learned map; ``cache.dtype``: the states' dtype) the field says so.
+
+Not every option applies to every choice of its group: each summary and each query strategy
+class declares the fields of its spec it reads (``reads``), and its ``resolve`` refuses any
+other field set to a value other than its default (:func:`first_unread`), so an option that
+would be ignored is never accepted silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -167,6 +172,38 @@ def model_specs(source: Any) -> Spec:
         query=spec_of(QuerySpec, source.query),
         summary=spec_of(SummarySpec, source.summary),
     )
+
+
+def first_unread(spec: Any, reads: Collection[str]) -> tuple[str, str] | None:
+    """The first field of ``spec`` (a spec dataclass instance) outside ``reads`` whose value is not
+    the schema's default, as (field name, value as written on a command line: ``true``,
+    ``null``, ``8``), or None when every such field has its default.
+
+    The rule behind "an option the chosen class ignores is refused": a class lists the fields it
+    reads, and a non-default value of any other field would change nothing.
+    """
+    default = type(spec)()
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if f.name not in reads and value != getattr(default, f.name):
+            return f.name, option_text(value)
+    return None
+
+
+def only_readers(names: Iterable[str]) -> str:
+    """``only a reads it`` / ``only a|b read it`` / ``none reads it`` for the names of the classes
+    that read an option (the tail of a refusal of an ignored option)."""
+    names = list(names)
+    if not names:
+        return "none reads it"
+    return f"only {'|'.join(names)} {'reads' if len(names) == 1 else 'read'} it"
+
+
+def option_text(value: Any) -> str:
+    """A value as a command line writes it: ``true``/``false``, ``null``, else ``str``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
 
 
 def _plain(value: Any) -> Any:

@@ -28,7 +28,10 @@ Each summary is a small class registered in :data:`SUMMARIES` under its config n
   besides the values; the cache asks :meth:`Summary.key` when it scores);
 - ``row_keys``: a slot's key is several vectors (one per row), not one (no faiss index);
 - ``length_bound``: its weights are built for one segment length L, so L cannot change
-  at evaluation.
+  at evaluation;
+- ``reads``: the fields of :class:`crtn.model.spec.SummarySpec` it reads; a value other than
+  the default of any other field is refused (it would be ignored), e.g. ``summary.tanh=true``
+  with ``summary=mean``.
 
 A new summary is one class here (plus ``conf/summary/NAME.yaml``); see CONTRIBUTING.md.
 """
@@ -43,7 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.spec import ModelSpec, SummarySpec
+from crtn.model.spec import ModelSpec, SummarySpec, first_unread, only_readers
 
 WINDOW, TOKEN, GATE = "window", "token", "gate"
 
@@ -72,6 +75,8 @@ class Summary(nn.Module):
     shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
     shortlist: int | None = None  # token_max: slots kept by the pooled first stage (``summary.shortlist``)
     cosine: bool = False  # token_max: cosine scores (``summary.cosine``)
+    #: the SummarySpec fields this summary reads; any other set to a non-default value is refused
+    reads: frozenset[str] = frozenset({"name"})
 
     def __init__(
         self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
@@ -81,25 +86,31 @@ class Summary(nn.Module):
 
     @classmethod
     def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
-        """``spec`` with this summary's derived defaults filled and its rules checked: only
-        ``token_max`` has ``ngram`` and ``shift`` (None here: they do not apply).
+        """``spec`` with this summary's derived defaults filled and its rules checked (the base
+        class fills nothing): :meth:`check_reads`, and ``summary.d_key`` > 0.
 
         Raises:
-            ConfigError: ``summary.d_key`` <= 0; ``summary.ngram`` other than 1, ``summary.shift``
-                other than 0, ``summary.shortlist`` or ``summary.cosine`` set (token_max's options).
+            ConfigError: an option this summary does not read set (:meth:`check_reads`);
+                ``summary.d_key`` <= 0.
         """
+        cls.check_reads(spec)
         if spec.d_key is not None and spec.d_key <= 0:
             raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
-        token_max_only = {  # option: (its value, the values that leave it off)
-            "ngram": (spec.ngram, (None, 1)),
-            "shift": (spec.shift, (None, 0)),
-            "shortlist": (spec.shortlist, (None,)),
-            "cosine": ("true" if spec.cosine else None, (None,)),
-        }
-        for key, (value, off) in token_max_only.items():
-            if value not in off:
-                raise ConfigError(f"summary.{key}={value} applies to summary=token_max only, not {cls.name}")
         return spec
+
+    @classmethod
+    def check_reads(cls, spec: SummarySpec) -> None:
+        """Refuse a field of ``spec`` outside :attr:`reads` set to a value other than its default
+        (the summary would ignore it; :func:`crtn.model.spec.first_unread`).
+
+        Raises:
+            ConfigError: ``summary.tanh=true is ignored by summary=mean (only linear reads it)``.
+        """
+        unread = first_unread(spec, cls.reads)
+        if unread is not None:
+            key, value = unread
+            readers = only_readers(n for n, c in SUMMARIES.items() if key in c.reads)
+            raise ConfigError(f"summary.{key}={value} is ignored by summary={cls.name} ({readers})")
 
     @classmethod
     def from_spec(cls, spec: SummarySpec, model: ModelSpec) -> Summary:
@@ -206,6 +217,7 @@ class Linear(Summary):
     """Linear(flat(Y)) to d_key (default d), tanh optional (docs/method.md §3, Summaries); weights built for L."""
 
     name, kinds, length_bound = "linear", (WINDOW,), True
+    reads = Summary.reads | {"d_key", "tanh"}
 
     def __init__(self, seg_len: int, d_model: int, d_key: int, tanh: bool = False, n_head: int = 1):
         super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
@@ -427,6 +439,7 @@ class TokenMax(Summary):
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE), True, True
     #: what a checkpoint saved before ``summary.ngram``/``summary.shift`` existed was trained with
     LEGACY = {"ngram": 1, "shift": 0}
+    reads = Summary.reads | {"d_key", "ngram", "shift", "shortlist", "cosine"}
 
     def __init__(
         self,
@@ -452,8 +465,10 @@ class TokenMax(Summary):
         ``summary.shift`` None :data:`DEFAULT_SHIFT`; ``summary.d_key`` None stays (no learned map).
 
         Raises:
-            ConfigError: ngram outside 1..tgt_len, shift other than 0 or 1, d_key <= 0.
+            ConfigError: ``summary.tanh`` set (:meth:`Summary.check_reads`), ngram outside
+                1..tgt_len, shift other than 0 or 1, d_key <= 0, shortlist < 1.
         """
+        cls.check_reads(spec)
         ngram = min(DEFAULT_NGRAM, model.tgt_len) if spec.ngram is None else spec.ngram
         shift = DEFAULT_SHIFT if spec.shift is None else spec.shift
         if not 1 <= ngram <= model.tgt_len:

@@ -186,6 +186,8 @@ class TransformerLM(nn.Module):
 
         Raises:
             ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs;
+                ``model.same_length`` with no memory (``mem_len`` 0, or a model without memory:
+                every query would attend no position, docs/method.md §2);
                 ``model.flex`` with ``model.sdpa`` or ``model.dropatt > 0``
                 (:func:`crtn.model.flex.check_options`).
         """
@@ -197,6 +199,17 @@ class TransformerLM(nn.Module):
         mem_len = m.tgt_len if m.mem_len == MEM_LEN_DEFAULT else m.mem_len
         if mem_len < 0:
             raise ConfigError(f"model.mem_len={mem_len} must be >= 0")
+        if m.same_length:  # each query attends its mem_len latest positions, itself included
+            if not cls.has_memory:
+                raise ConfigError(
+                    f"model.same_length=true masks every position of every query of model={m.name}, "
+                    "which has no memory (use model.same_length=false)"
+                )
+            if mem_len == 0:
+                raise ConfigError(
+                    "model.same_length=true with model.mem_len=0 masks every position of every query "
+                    "(each attends its mem_len latest positions): use model.same_length=false or a memory"
+                )
         if m.d_embed is not None and m.d_embed <= 0:
             raise ConfigError(f"model.d_embed={m.d_embed} must be > 0")
         for key in ("dropout", "dropatt", "dropemb", "dropinp", "dropfor", "dropatt_out"):
