@@ -15,6 +15,8 @@ from torch import Tensor
 #: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
 #: in float64): the slots are scored this many at a time, so memory does not grow with N L L
 CHUNK_ELEMENTS = 1 << 21
+#: the same off the CPU (a GPU: fewer, larger chunks, since each chunk launches some 20 kernels)
+CHUNK_ELEMENTS_GPU = 1 << 25
 
 
 def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
@@ -56,105 +58,106 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
 
 
 def _chunk_slots(query: Tensor, n_cols: int) -> int:
-    """Slots per chunk: a score block [G, Lq, slots, n_cols] of at most :data:`CHUNK_ELEMENTS`."""
-    return max(1, CHUNK_ELEMENTS // max(1, query.shape[0] * query.shape[1] * n_cols))
+    """Slots per chunk: a score block [G, Lq, slots, n_cols] of at most :data:`CHUNK_ELEMENTS`
+    (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
+    budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
+    return max(1, budget // max(1, query.shape[0] * query.shape[1] * n_cols))
 
 
-def _chunk_ext(query: Tensor, rows: Tensor, lead: Tensor | None, span: tuple[int, int]) -> Tensor:
-    """<q, row> of every query against the lead-in and rows of slots span = (i0, i1): [G, Lq, i1-i0, n_lead+Ls]
-    (column c: row c - n_lead of the slot)."""
+def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple[int, int], w: int) -> Tensor:
+    """The unscaled n-gram sums sum_{a<w} <q_{j-a}, row_{r-s-a}> of slots span = (i0, i1) against
+    every query: [G, L, i1-i0, Ls]. One product with the slots' rows and one with their lead-in
+    rows; row r - s - a of a slot is row r - s - a of its rows when that is >= 0, else row
+    w - 1 + s + (r - s - a) of its lead-in, so each diagonal a adds two shifted slices."""
     i0, i1 = span
     G, Lq, d = query.shape
     Ls = rows.shape[2]
     block = rows[:, i0:i1].to(query.dtype).reshape(G, -1, d)
     ext = torch.bmm(query, block.transpose(1, 2)).view(G, Lq, i1 - i0, Ls)
-    if lead is None:
+    if lead is None:  # w = 1, s = 0: the products themselves
         return ext
     before = torch.einsum("bqd,bnrd->bqnr", query, lead[:, i0:i1].to(query.dtype))
-    return torch.cat([before, ext], -1)
-
-
-def _diagonal_sums(ext: Tensor, w: int, Ls: int) -> Tensor:
-    """(1/w) sum_{a<w} of the aligned diagonals of ext [G, w-1+L, n, w-1+s+Ls] -> [G, L, n, Ls]."""
-    if ext.shape[-1] == Ls:  # w = 1, s = 0: the products themselves
-        return ext
-    Lq = ext.shape[1] - w + 1  # row r - s - a is column r + w - 1 - a
-    total = ext[:, w - 1 : w - 1 + Lq, :, w - 1 : w - 1 + Ls].clone()
-    for a in range(1, w):
-        total += ext[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls]
-    return total * (1.0 / w) if w > 1 else total
+    L, shift = Lq - w + 1, lead.shape[2] - (w - 1)
+    total = ext.new_empty(G, L, i1 - i0, Ls)
+    for a in range(w):
+        j, k = w - 1 - a, min(shift + a, Ls)  # queries j.. ; the first k rows read the lead-in
+        if a == 0:
+            total[..., :k] = before[:, j : j + L, :, j : j + k]
+            total[..., k:] = ext[:, j : j + L, :, : Ls - k]
+        else:
+            total[..., :k] += before[:, j : j + L, :, j : j + k]
+            total[..., k:] += ext[:, j : j + L, :, : Ls - k]
+    return total
 
 
 class _NgramRowMax(torch.autograd.Function):
     """:func:`ngram_row_scores` with a chunked forward and a backward that rebuilds each chunk's
-    gradient from the rows that attain the max (recomputing only chunks with several)."""
+    gradient from the rows that attain the max (recomputing only chunks where several do)."""
 
     @staticmethod
     def forward(ctx, query, rows, w, shift, lead=None):  # type: ignore[override]
         G, Lq, _ = query.shape
         N, Ls = rows.shape[1], rows.shape[2]
         L = Lq - w + 1
-        n_cols = Ls + (0 if lead is None else lead.shape[2])
-        step = _chunk_slots(query, n_cols)
+        step = _chunk_slots(query, Ls + (0 if lead is None else lead.shape[2]))
         best = query.new_empty(G, L, N)
         where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
         tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
-            with torch.no_grad():
-                scores = _diagonal_sums(_chunk_ext(query, rows, lead, (i0, i1)), w, Ls)
-                top, arg = scores.max(-1)
-                best[:, :, i0:i1], where[:, :, i0:i1] = top, arg
-                several = (scores == top[..., None]).sum(-1) > 1
-                tied.append(several.any())
+            sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)
+            top, arg = sums.max(-1)
+            best[:, :, i0:i1], where[:, :, i0:i1] = top, arg
+            second = sums.scatter_(-1, arg[..., None], float("-inf")).amax(-1)  # the max elsewhere
+            tied.append((second == top).any())
+        if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
+            best *= 1.0 / w
         ctx.w, ctx.step, ctx.has_lead = w, step, lead is not None
-        saved = [query, rows, best, where, torch.stack(tied)] + ([] if lead is None else [lead])
+        saved = [query, rows, where, torch.stack(tied)] + ([] if lead is None else [lead])
         ctx.save_for_backward(*saved)
         return best
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        query, rows, best, where, tied, *rest = ctx.saved_tensors
+        query, rows, where, tied, *rest = ctx.saved_tensors
         lead = rest[0] if ctx.has_lead else None
         w, step = ctx.w, ctx.step
         G, Lq, d = query.shape
         N, Ls = rows.shape[1], rows.shape[2]
         L = Lq - w + 1
-        n_lead = 0 if lead is None else lead.shape[2]
+        n_lead, shift = (0, 0) if lead is None else (lead.shape[2], lead.shape[2] - (w - 1))
         need_q, need_rows = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_lead = lead is not None and ctx.needs_input_grad[4]
         g_query = torch.zeros_like(query) if need_q else None
         g_rows = torch.zeros(rows.shape, dtype=query.dtype, device=rows.device) if need_rows else None
         g_lead = torch.zeros(lead.shape, dtype=query.dtype, device=lead.device) if need_lead else None
         grad = grad * (1.0 / w)
-        tied = tied.tolist()
         for c, i0 in enumerate(range(0, N, step)):
             i1 = min(N, i0 + step)
-            n = i1 - i0
-            g = grad[:, :, i0:i1]
-            if tied[c]:  # several rows attain a max: split evenly (torch.amax)
-                with torch.no_grad():
-                    scores = _diagonal_sums(_chunk_ext(query, rows, lead, (i0, i1)), w, Ls)
-                    at = (scores == best[:, :, i0:i1, None]).to(query.dtype)
+            n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
+            if tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
+                sums = _chunk_sums(query.detach(), rows.detach(), lead, span=(i0, i1), w=w)
+                at = (sums == sums.gather(-1, arg)).to(query.dtype)
                 weight = at * (g / at.sum(-1))[..., None]
             else:
-                weight = query.new_zeros(G, L, n, Ls)
-                weight.scatter_(-1, where[:, :, i0:i1, None], g[..., None])
-            g_ext = query.new_zeros(G, Lq, n, n_lead + Ls)  # the diagonals' transpose
+                weight = query.new_zeros(G, L, n, Ls).scatter_(-1, arg, g[..., None])
+            # the transpose of the diagonal sums: d score / d <q, row> and d score / d <q, lead row>
+            g_ext = query.new_zeros(G, Lq, n, Ls)
+            g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None
             for a in range(w):
-                g_ext[:, w - 1 - a : w - 1 - a + L, :, w - 1 - a : w - 1 - a + Ls] += weight
-            g_rows_part = g_ext[..., n_lead:].reshape(G, Lq, n * Ls)
-            block = rows[:, i0:i1].to(query.dtype).reshape(G, n * Ls, d)
+                j, k = w - 1 - a, min(shift + a, Ls)
+                g_ext[:, j : j + L, :, : Ls - k] += weight[..., k:]
+                if g_before is not None:
+                    g_before[:, j : j + L, :, j : j + k] += weight[..., :k]
+            g_ext = g_ext.view(G, Lq, n * Ls)
             if g_query is not None:
-                g_query += torch.bmm(g_rows_part, block)
-                if lead is not None:
-                    g_query += torch.einsum(
-                        "bqnr,bnrd->bqd", g_ext[..., :n_lead], lead[:, i0:i1].to(query.dtype)
-                    )
+                g_query += torch.bmm(g_ext, rows[:, i0:i1].to(query.dtype).reshape(G, n * Ls, d))
+                if g_before is not None:
+                    g_query += torch.einsum("bqnr,bnrd->bqd", g_before, lead[:, i0:i1].to(query.dtype))
             if g_rows is not None:
-                g_rows[:, i0:i1] = torch.bmm(g_rows_part.transpose(1, 2), query).view(G, n, Ls, d)
+                g_rows[:, i0:i1] = torch.bmm(g_ext.transpose(1, 2), query).view(G, n, Ls, d)
             if g_lead is not None:
-                g_lead[:, i0:i1] = torch.einsum("bqnr,bqd->bnrd", g_ext[..., :n_lead], query)
+                g_lead[:, i0:i1] = torch.einsum("bqnr,bqd->bnrd", g_before, query)
         if g_rows is not None:
             g_rows = g_rows.to(rows.dtype)
         if g_lead is not None:
