@@ -135,20 +135,25 @@ class _NgramRowMax(torch.autograd.Function):
         for c, i0 in enumerate(range(0, N, step)):
             i1 = min(N, i0 + step)
             n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
+            g_ext = query.new_zeros(G, Lq, n, Ls)  # d score / d <q, row>
+            g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None  # and lead rows
             if tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
                 sums = _chunk_sums(query.detach(), rows.detach(), lead, span=(i0, i1), w=w)
                 at = (sums == sums.gather(-1, arg)).to(query.dtype)
                 weight = at * (g / at.sum(-1))[..., None]
-            else:
-                weight = query.new_zeros(G, L, n, Ls).scatter_(-1, arg, g[..., None])
-            # the transpose of the diagonal sums: d score / d <q, row> and d score / d <q, lead row>
-            g_ext = query.new_zeros(G, Lq, n, Ls)
-            g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None
-            for a in range(w):
-                j, k = w - 1 - a, min(shift + a, Ls)
-                g_ext[:, j : j + L, :, : Ls - k] += weight[..., k:]
-                if g_before is not None:
-                    g_before[:, j : j + L, :, j : j + k] += weight[..., :k]
+                for a in range(w):  # the transpose of the diagonal sums
+                    j, k = w - 1 - a, min(shift + a, Ls)
+                    g_ext[:, j : j + L, :, : Ls - k] += weight[..., k:]
+                    if g_before is not None:
+                        g_before[:, j : j + L, :, j : j + k] += weight[..., :k]
+            else:  # one row each: diagonal a puts g on row arg - s - a (a lead-in row if < 0)
+                for a in range(w):
+                    j, k = w - 1 - a, min(shift + a, Ls)
+                    in_rows = arg >= k
+                    g_ext[:, j : j + L].scatter_add_(-1, (arg - k).clamp(min=0), g[..., None] * in_rows)
+                    if g_before is not None:
+                        col = (arg + j).clamp(max=n_lead - 1)
+                        g_before[:, j : j + L].scatter_add_(-1, col, g[..., None] * ~in_rows)
             g_ext = g_ext.view(G, Lq, n * Ls)
             if g_query is not None:
                 g_query += torch.bmm(g_ext, rows[:, i0:i1].to(query.dtype).reshape(G, n * Ls, d))
