@@ -4,13 +4,19 @@ in float64, with chunks of one and several slots, and with maxima shared by seve
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
+from crtn.config import BenchSpec
 from crtn.model import rowmatch
 from crtn.model.rowmatch import ngram_row_scores
 from tests.reference import naive_ngram_row_scores
 
+ROOT = Path(__file__).resolve().parents[1]
 CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 1)]  # (ngram w, shift s)
 
 
@@ -80,3 +86,20 @@ def test_missing_lead_in_is_refused():
     query, rows, _ = _inputs(2, 1)
     with pytest.raises(ValueError, match="2 lead-in rows"):
         ngram_row_scores(query, rows, None, ngram=2, shift=1)
+
+
+def test_the_bench_tool_s_unchunked_reference_agrees_and_its_smoke_run_completes():
+    """tools/bench_row_match.py times the chunked match against its unchunked formula: that formula
+    gives the same scores and gradients (float64), and the score section runs at tiny sizes."""
+    spec = importlib.util.spec_from_file_location("bench_row_match", ROOT / "tools/bench_row_match.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    query, rows, lead = _inputs(4, 1)
+    got = ngram_row_scores(query, rows, lead, ngram=4, shift=1)
+    want = tool.unchunked_row_scores(query, rows, lead, ngram=4, shift=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    g_got = torch.autograd.grad(got.sum(), query)[0]
+    torch.testing.assert_close(g_got, torch.autograd.grad(want.sum(), query)[0], rtol=0, atol=1e-10)
+    s = replace(BenchSpec(), batch=1, d_model=8, tgt_len=4, n_slot=2)
+    (row,) = tool.bench_score(s, [3], rounds=1, device=torch.device("cpu"))
+    assert row["n_slot"] == 3 and row["chunked_ms"] > 0 and row["unchunked_ms"] > 0
