@@ -21,16 +21,16 @@ CHUNK_ELEMENTS_GPU = 1 << 25
 
 def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
-    (w = ngram, s = shift; class :class:`TokenMax`), for every query against every slot.
+    (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot.
 
     Computed slot chunk by slot chunk (docs/method.md §3, "Summaries", the computation): per chunk
     one product of the queries with the chunk's rows (and one with their lead-in rows), the w
-    aligned diagonals summed as shifted slices, and the max over rows; only the maxima and the
+    aligned diagonals summed as shifted slices, the max over rows, then 1/w; only the maxima and the
     rows that attain them are kept for the backward pass, so the memory of a call is
     O(G L N) plus one chunk (:data:`CHUNK_ELEMENTS`), not O(G L N L w). The cached rows are read in
     place (no copy of them per step). Equal to the unchunked max of the same products (the
     gradient of a max shared by several rows is split evenly among them, as ``torch.amax``
-    splits it).
+    splits it; equal means equal sums before the 1/w).
 
     Args:
         query: [G, w-1+L, d] the L queries with the w-1 before them in front.
