@@ -262,6 +262,43 @@ def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Ten
     return best
 
 
+def naive_ngram_row_scores(
+    query: Tensor, rows: Tensor, lead: Tensor | None, ngram: int, shift: int
+) -> Tensor:
+    """token_max's unscaled row match, one dot product at a time (docs/method.md §3, "Summaries"):
+    out[g, j, i] = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>, with row_{-m} = lead[w-1+s-m]
+    (the predecessor's last rows). The max is ``torch.amax`` over the per-row scores, so a max
+    shared by several rows passes its gradient to each of them in equal parts.
+
+    Args:
+        query: [G, w-1+L, d]; rows: [G, n, Ls, d]; lead: [G, n, w-1+s, d] or None (w-1+s = 0).
+
+    Returns:
+        [G, L, n].
+    """
+    G, Lq, _ = query.shape
+    n, Ls = rows.shape[1], rows.shape[2]
+    w, n_lead = ngram, ngram - 1 + shift
+    out = []
+    for g in range(G):
+        per_token = []
+        for j in range(Lq - w + 1):
+            per_slot = []
+            for i in range(n):
+                per_row = []
+                for r in range(Ls):
+                    total = torch.zeros((), dtype=query.dtype)
+                    for a in range(w):
+                        m = r - shift - a
+                        row = rows[g, i, m] if m >= 0 else lead[g, i, n_lead + m]
+                        total = total + query[g, j + w - 1 - a] @ row
+                    per_row.append(total / w)
+                per_slot.append(torch.stack(per_row).amax())
+            per_token.append(torch.stack(per_slot))
+        out.append(torch.stack(per_token))
+    return torch.stack(out)
+
+
 @dataclass
 class Slot:
     states: Tensor  # [n+1, Ls, d]

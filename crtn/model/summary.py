@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from crtn.errors import ConfigError, check_choice
+from crtn.model.rowmatch import ngram_row_scores
 from crtn.model.spec import ModelSpec, SummarySpec, first_unread, only_readers
 
 WINDOW, TOKEN, GATE = "window", "token", "gate"
@@ -553,32 +554,6 @@ class TokenMax(Summary):
         [B, L, d] against the slots' pooled rows [B, n, d] -> [B, L, n]."""
         query, pooled = self._map(query, pooled)
         return torch.bmm(query, pooled.transpose(1, 2)) * self.scale
-
-
-def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
-    """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
-    (w = ngram, s = shift; class :class:`TokenMax`), for every query against every slot.
-
-    Args:
-        query: [G, w-1+L, d] the L queries with the w-1 before them in front.
-        rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups).
-        lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or None when w-1+s = 0.
-
-    Returns:
-        [G, L, n]. The lead-in is scored on its own and joined on the score axis, so the cached rows
-        are read in place (no copy of them per step).
-    """
-    G, N, Ls, d = rows.shape
-    scores = torch.bmm(query, rows.reshape(G, N * Ls, d).transpose(1, 2)).view(G, -1, N, Ls)
-    w, n_lead = ngram, ngram - 1 + shift
-    if n_lead > 0:  # sum the w aligned diagonals: query j-a against row r-shift-a
-        assert lead is not None
-        before = torch.einsum("bqd,bnrd->bqnr", query, lead.to(query.dtype))  # [G, w-1+L, n, w-1+s]
-        scores = torch.cat([before, scores], -1)  # column c: row c - n_lead of the slot
-        Lq = scores.shape[1] - w + 1
-        scores = sum(scores[:, w - 1 - a : w - 1 - a + Lq, :, w - 1 - a : w - 1 - a + Ls] for a in range(w))
-        scores = scores * (1.0 / w)
-    return scores.amax(-1)
 
 
 #: every summary by its config name, in the order of docs/method.md §3

@@ -1,0 +1,170 @@
+"""token_max's row match, computed slot chunk by slot chunk (docs/method.md §3, "Summaries").
+
+:func:`ngram_row_scores` is the score of ``summary=token_max`` (``crtn/model/summary.py``) and of
+the ``token_max`` block key of selection inside attention (``crtn/model/gate.py``): for every
+query j and slot i, max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>. It reads every row of every
+slot, B L N L d multiply-adds per step; what this module removes is everything else that grew with
+N L L: the score block of all slots, its w shifted copies and their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
+#: in float64): the slots are scored this many at a time, so memory does not grow with N L L
+CHUNK_ELEMENTS = 1 << 21
+#: the same off the CPU (a GPU: fewer, larger chunks, since each chunk launches some 20 kernels)
+CHUNK_ELEMENTS_GPU = 1 << 25
+
+
+def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
+    """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
+    (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot.
+
+    Computed slot chunk by slot chunk (docs/method.md §3, "Summaries", the computation): per chunk
+    one product of the queries with the chunk's rows (and one with their lead-in rows), the w
+    aligned diagonals summed as shifted slices, the max over rows, then 1/w; only the maxima and the
+    rows that attain them are kept for the backward pass, so the memory of a call is
+    O(G L N) plus one chunk (:data:`CHUNK_ELEMENTS`), not O(G L N L w). The cached rows are read in
+    place (no copy of them per step). Equal to the unchunked max of the same products (the
+    gradient of a max shared by several rows is split evenly among them, as ``torch.amax``
+    splits it; equal means equal sums before the 1/w).
+
+    Args:
+        query: [G, w-1+L, d] the L queries with the w-1 before them in front.
+        rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups);
+            any floating dtype (cast to the query's chunk by chunk).
+        lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or None when w-1+s = 0.
+
+    Returns:
+        [G, L, n] in the query's dtype.
+
+    Raises:
+        ValueError: ``lead`` is None although w-1+s > 0, or its row count is not w-1+s.
+    """
+    n_lead = ngram - 1 + shift
+    if n_lead > 0 and (lead is None or lead.shape[2] != n_lead):
+        got = None if lead is None else lead.shape[2]
+        raise ValueError(
+            f"ngram_row_scores: {n_lead} lead-in rows per slot needed (ngram-1+shift), got {got}"
+        )
+    if n_lead == 0:
+        lead = None
+    if lead is None:
+        return _NgramRowMax.apply(query, rows, ngram, shift)
+    return _NgramRowMax.apply(query, rows, ngram, shift, lead)
+
+
+def _chunk_slots(query: Tensor, n_cols: int) -> int:
+    """Slots per chunk: a score block [G, Lq, slots, n_cols] of at most :data:`CHUNK_ELEMENTS`
+    (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
+    budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
+    return max(1, budget // max(1, query.shape[0] * query.shape[1] * n_cols))
+
+
+def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple[int, int], w: int) -> Tensor:
+    """The unscaled n-gram sums sum_{a<w} <q_{j-a}, row_{r-s-a}> of slots span = (i0, i1) against
+    every query: [G, L, i1-i0, Ls]. One product with the slots' rows and one with their lead-in
+    rows; row r - s - a of a slot is row r - s - a of its rows when that is >= 0, else row
+    w - 1 + s + (r - s - a) of its lead-in, so each diagonal a adds two shifted slices."""
+    i0, i1 = span
+    G, Lq, d = query.shape
+    Ls = rows.shape[2]
+    block = rows[:, i0:i1].to(query.dtype).reshape(G, -1, d)
+    ext = torch.bmm(query, block.transpose(1, 2)).view(G, Lq, i1 - i0, Ls)
+    if lead is None:  # w = 1, s = 0: the products themselves
+        return ext
+    before = torch.einsum("bqd,bnrd->bqnr", query, lead[:, i0:i1].to(query.dtype))
+    L, shift = Lq - w + 1, lead.shape[2] - (w - 1)
+    total = ext.new_empty(G, L, i1 - i0, Ls)
+    for a in range(w):
+        j, k = w - 1 - a, min(shift + a, Ls)  # queries j.. ; the first k rows read the lead-in
+        if a == 0:
+            total[..., :k] = before[:, j : j + L, :, j : j + k]
+            total[..., k:] = ext[:, j : j + L, :, : Ls - k]
+        else:
+            total[..., :k] += before[:, j : j + L, :, j : j + k]
+            total[..., k:] += ext[:, j : j + L, :, : Ls - k]
+    return total
+
+
+class _NgramRowMax(torch.autograd.Function):
+    """:func:`ngram_row_scores` with a chunked forward and a backward that rebuilds each chunk's
+    gradient from the rows that attain the max (recomputing only chunks where several do)."""
+
+    @staticmethod
+    def forward(ctx, query, rows, w, shift, lead=None):  # type: ignore[override]
+        G, Lq, _ = query.shape
+        N, Ls = rows.shape[1], rows.shape[2]
+        L = Lq - w + 1
+        step = _chunk_slots(query, Ls + (0 if lead is None else lead.shape[2]))
+        best = query.new_empty(G, L, N)
+        where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
+        tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)
+        for i0 in range(0, N, step):
+            i1 = min(N, i0 + step)
+            sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)
+            top, arg = sums.max(-1)
+            best[:, :, i0:i1], where[:, :, i0:i1] = top, arg
+            second = sums.scatter_(-1, arg[..., None], float("-inf")).amax(-1)  # the max elsewhere
+            tied.append((second == top).any())
+        if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
+            best *= 1.0 / w
+        ctx.w, ctx.step, ctx.has_lead = w, step, lead is not None
+        saved = [query, rows, where, torch.stack(tied)] + ([] if lead is None else [lead])
+        ctx.save_for_backward(*saved)
+        return best
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        query, rows, where, tied, *rest = ctx.saved_tensors
+        lead = rest[0] if ctx.has_lead else None
+        w, step = ctx.w, ctx.step
+        G, Lq, d = query.shape
+        N, Ls = rows.shape[1], rows.shape[2]
+        L = Lq - w + 1
+        n_lead, shift = (0, 0) if lead is None else (lead.shape[2], lead.shape[2] - (w - 1))
+        need_q, need_rows = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_lead = lead is not None and ctx.needs_input_grad[4]
+        g_query = torch.zeros_like(query) if need_q else None
+        g_rows = torch.zeros(rows.shape, dtype=query.dtype, device=rows.device) if need_rows else None
+        g_lead = torch.zeros(lead.shape, dtype=query.dtype, device=lead.device) if need_lead else None
+        grad = grad * (1.0 / w)
+        for c, i0 in enumerate(range(0, N, step)):
+            i1 = min(N, i0 + step)
+            n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
+            g_ext = query.new_zeros(G, Lq, n, Ls)  # d score / d <q, row>
+            g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None  # and lead rows
+            if tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
+                sums = _chunk_sums(query.detach(), rows.detach(), lead, span=(i0, i1), w=w)
+                at = (sums == sums.gather(-1, arg)).to(query.dtype)
+                weight = at * (g / at.sum(-1))[..., None]
+                for a in range(w):  # the transpose of the diagonal sums
+                    j, k = w - 1 - a, min(shift + a, Ls)
+                    g_ext[:, j : j + L, :, : Ls - k] += weight[..., k:]
+                    if g_before is not None:
+                        g_before[:, j : j + L, :, j : j + k] += weight[..., :k]
+            else:  # one row each: diagonal a puts g on row arg - s - a (a lead-in row if < 0)
+                for a in range(w):
+                    j, k = w - 1 - a, min(shift + a, Ls)
+                    in_rows = arg >= k
+                    g_ext[:, j : j + L].scatter_add_(-1, (arg - k).clamp(min=0), g[..., None] * in_rows)
+                    if g_before is not None:
+                        col = (arg + j).clamp(max=n_lead - 1)
+                        g_before[:, j : j + L].scatter_add_(-1, col, g[..., None] * ~in_rows)
+            g_ext = g_ext.view(G, Lq, n * Ls)
+            if g_query is not None:
+                g_query += torch.bmm(g_ext, rows[:, i0:i1].to(query.dtype).reshape(G, n * Ls, d))
+                if g_before is not None:
+                    g_query += torch.einsum("bqnr,bnrd->bqd", g_before, lead[:, i0:i1].to(query.dtype))
+            if g_rows is not None:
+                g_rows[:, i0:i1] = torch.bmm(g_ext.transpose(1, 2), query).view(G, n, Ls, d)
+            if g_lead is not None:
+                g_lead[:, i0:i1] = torch.einsum("bqnr,bqd->bnrd", g_before, query)
+        if g_rows is not None:
+            g_rows = g_rows.to(rows.dtype)
+        if g_lead is not None:
+            g_lead = g_lead.to(lead.dtype)
+        return g_query, g_rows, None, None, g_lead

@@ -1,0 +1,105 @@
+"""token_max's chunked row match (crtn/model/rowmatch.py; docs/method.md §3, "Summaries") against
+the naive per-token loop of tests/reference.py: scores, gradients of query, rows and lead-in rows
+in float64, with chunks of one and several slots, and with maxima shared by several rows."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from crtn.config import BenchSpec
+from crtn.model import rowmatch
+from crtn.model.rowmatch import ngram_row_scores
+from tests.reference import naive_ngram_row_scores
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 1)]  # (ngram w, shift s)
+
+
+def _inputs(
+    w: int, s: int, *, G: int = 2, L: int = 4, n: int = 5, Ls: int = 3, d: int = 6, ties: bool = False
+):
+    """Random float64 queries [G, w-1+L, d], rows [G, n, Ls, d] and lead-in [G, n, w-1+s, d]; with
+    ``ties`` every vector is one of three one-hot vectors, so equal maxima are common."""
+    gen = torch.Generator().manual_seed(10 * w + s)
+
+    def make(*shape: int) -> torch.Tensor:
+        if ties:
+            pick = torch.randint(0, 3, shape[:-1], generator=gen)
+            return torch.nn.functional.one_hot(pick, d).double().requires_grad_()
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    lead = make(G, n, w - 1 + s, d) if w - 1 + s > 0 else None
+    return make(G, w - 1 + L, d), make(G, n, Ls, d), lead
+
+
+def _check(w: int, s: int, ties: bool) -> None:
+    query, rows, lead = _inputs(w, s, ties=ties)
+    got = ngram_row_scores(query, rows, lead, ngram=w, shift=s)
+    want = naive_ngram_row_scores(query, rows, lead, w, s)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    inputs = [t for t in (query, rows, lead) if t is not None]
+    g_got = torch.autograd.grad((got * weight).sum(), inputs)
+    g_want = torch.autograd.grad((want * weight).sum(), inputs)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 21], ids=["one_slot", "two_slots", "one_chunk"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_row_match_equals_the_per_token_loop(monkeypatch, w, s, chunk):
+    """Scores and gradients equal the naive loop's to 1e-10, whatever the chunking (a chunk of
+    two slots leaves a last chunk of one: 5 slots)."""
+    rows_per_slot = 3 + w - 1 + s
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", chunk * 2 * (w - 1 + 4) * rows_per_slot)
+    _check(w, s, ties=False)
+
+
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_a_max_shared_by_rows_splits_its_gradient_as_amax(monkeypatch, w, s):
+    """One-hot vectors make many maxima equal: each attaining row gets an equal part of the
+    gradient, as torch.amax gives it (chunks of two slots, so tied and untied chunks mix)."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    _check(w, s, ties=True)
+
+
+def test_a_max_shared_by_two_rows_by_hand():
+    """q = e0 against a slot of rows e0, e0, e1 (w = 1, s = 0): score 1, attained by rows 0 and 1,
+    so each gets half the gradient, d score / d row = q / 2 for rows 0 and 1, 0 for row 2; and
+    d score / d q = (row_0 + row_1) / 2 = e0."""
+    e = torch.eye(2, dtype=torch.float64)
+    query = e[None, :1].clone().requires_grad_()  # [1, 1, 2]
+    rows = torch.stack([e[0], e[0], e[1]])[None, None].clone().requires_grad_()  # [1, 1, 3, 2]
+    score = ngram_row_scores(query, rows, None, ngram=1, shift=0)
+    assert score.item() == 1.0
+    g_query, g_rows = torch.autograd.grad(score.sum(), [query, rows])
+    torch.testing.assert_close(g_query[0, 0], e[0], rtol=0, atol=0)
+    torch.testing.assert_close(g_rows[0, 0], torch.stack([e[0] / 2, e[0] / 2, 0 * e[0]]), rtol=0, atol=0)
+
+
+def test_missing_lead_in_is_refused():
+    query, rows, _ = _inputs(2, 1)
+    with pytest.raises(ValueError, match="2 lead-in rows"):
+        ngram_row_scores(query, rows, None, ngram=2, shift=1)
+
+
+def test_the_bench_tool_s_unchunked_reference_agrees_and_its_smoke_run_completes():
+    """tools/bench_row_match.py times the chunked match against its unchunked formula: that formula
+    gives the same scores and gradients (float64), and the score section runs at tiny sizes."""
+    spec = importlib.util.spec_from_file_location("bench_row_match", ROOT / "tools/bench_row_match.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    query, rows, lead = _inputs(4, 1)
+    got = ngram_row_scores(query, rows, lead, ngram=4, shift=1)
+    want = tool.unchunked_row_scores(query, rows, lead, ngram=4, shift=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    g_got = torch.autograd.grad(got.sum(), query)[0]
+    torch.testing.assert_close(g_got, torch.autograd.grad(want.sum(), query)[0], rtol=0, atol=1e-10)
+    s = replace(BenchSpec(), batch=1, d_model=8, tgt_len=4, n_slot=2)
+    (row,) = tool.bench_score(s, [3], rounds=1, device=torch.device("cpu"))
+    assert row["n_slot"] == 3 and row["chunked_ms"] > 0 and row["unchunked_ms"] > 0
