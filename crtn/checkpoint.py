@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crtn.config import RunSpec, load_spec
+from crtn.config import ResolvedRun, load_spec
 from crtn.errors import CheckpointError
 from crtn.utils import atomic_write
 
@@ -137,7 +137,7 @@ def unreadable(path: Path, e: BaseException) -> str:
     return f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})"
 
 
-def checkpoint_spec(ckpt: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunSpec:
+def checkpoint_spec(ckpt: dict[str, Any], overrides: dict[str, Any] | None = None) -> ResolvedRun:
     """The run spec a checkpoint was trained with (:func:`crtn.config.load_spec`: a config saved by
     an earlier version is upgraded, keys added to the schema since take their defaults), with
     ``overrides`` (nested dict, e.g. evaluation-time ``cache.*``) merged in and resolved.

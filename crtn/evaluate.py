@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from crtn.app import given_keys, resolve_device, run_app
 from crtn.checkpoint import checkpoint_spec, load_checkpoint
-from crtn.config import RunSpec, metric_name
+from crtn.config import ResolvedRun, metric_name
 from crtn.data import load_corpus
 from crtn.errors import CheckpointError, UserError
 from crtn.measures import Measures, format_answers
@@ -68,7 +68,7 @@ def evaluate(
     stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on a split of ``corpus`` with the model's own lengths and cache (a model
-    built for evaluation-time settings: :meth:`crtn.config.RunSpec.evaluation`, :func:`crtn.model.with_spec`).
+    built for evaluation-time settings: :attr:`crtn.config.ResolvedRun.eval_spec`, :func:`crtn.model.with_spec`).
 
     Args:
         model: the language model (its ``tgt_len``, ``mem_len``, ``n_slot``... apply).
@@ -144,11 +144,11 @@ def _jsonable(m: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
 
 
-def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], RunSpec]:
+def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], ResolvedRun]:
     """Read ``cfg.checkpoint`` and make the run spec of its evaluation: the checkpoint's, with the
     ``cache.*`` and ``data.*`` keys given on the command line and the app's ``eval.*`` settings
     (:func:`crtn.checkpoint.checkpoint_spec`; the evaluation model is built from
-    :meth:`RunSpec.evaluation`). Used by crtn-eval and crtn-generate.
+    :attr:`crtn.config.ResolvedRun.eval_spec`). Used by crtn-eval and crtn-generate.
 
     Raises:
         CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse.
@@ -186,7 +186,7 @@ def run_eval(cfg: Any) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     corpus = load_corpus(run.data)
     check_vocab(ckpt, corpus, cfg.checkpoint)
-    model = build_model(run.evaluation(), len(corpus.vocab)).to(device)
+    model = build_model(run.eval_spec, len(corpus.vocab)).to(device)
     model.load_state_dict(ckpt["model"])
     results: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "step": ckpt.get("step")}
     for split in cfg.splits:

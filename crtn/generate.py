@@ -252,7 +252,7 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     prompt_ids = _prompt_ids(prompt, symbols, mode)
 
     device = resolve_device(cfg.device)
-    model = build_model(run.evaluation(), len(symbols)).to(device)
+    model = build_model(run.eval_spec, len(symbols)).to(device)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:

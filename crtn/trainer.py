@@ -38,12 +38,12 @@ from crtn.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from crtn.config import dependency_range, load_spec, metric_name, resolve, spec_dict
+from crtn.config import ResolvedRun, dependency_range, load_spec, metric_name, spec_dict
 from crtn.data import load_corpus
 from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
-from crtn.model import build_model, with_spec
+from crtn.model import build_model, require_resolved, with_spec
 from crtn.objective import chunk_loss, scored_tokens, selection_loss
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
@@ -114,7 +114,7 @@ def _tensorboard(run_dir: Path):
 
 class Trainer:
     """One training run of ``crtn-train`` (rank ``dist.rank`` of a data-parallel run), from its
-    resolved run spec (:func:`crtn.config.resolve`; ``cfg``).
+    resolved run spec (``cfg``: a :class:`crtn.config.ResolvedRun`, else TypeError).
 
     Built in the order a run needs (the RNG draws of model initialisation follow the seed):
     the corpus and its training iterator, the model (``init_from`` weights), Adam and the
@@ -124,7 +124,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Any, dist: DistributedContext, device: torch.device, run_dir: Path):
-        cfg = resolve(cfg)  # a run spec stays as it is; a composed config is resolved
+        cfg = require_resolved(cfg, "Trainer", ResolvedRun)
         self.cfg, self.dist, self.device, self.run_dir = cfg, dist, device, run_dir
         self.ckpt_dir = run_dir / "checkpoints"
         self.last, self.best = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
@@ -132,7 +132,7 @@ class Trainer:
         # the run spec as checkpoints store it: every default written out, so a checkpoint keeps
         # building this model when a default changes
         self.config_dict = spec_dict(cfg)
-        self.eval_spec = cfg.evaluation()  # the model spec of validation (eval.* applied)
+        self.eval_spec = cfg.eval_spec  # the model spec of validation (eval.* applied)
         self._eval_twins: dict[int, torch.nn.Module] = {}
         self._load_data()
         self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))

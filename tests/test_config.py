@@ -23,7 +23,7 @@ from crtn.config import (
 )
 from crtn.data import load_corpus
 from crtn.errors import ConfigError
-from crtn.model import validate_model
+from crtn.model import resolve_spec
 from crtn.model.crtn import dependency_range
 from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
 
@@ -122,7 +122,7 @@ def test_default_corpus_is_the_schemas():
 @pytest.mark.parametrize("name", sorted(p.stem for p in (PAIR_DIR.parent / "experiment").glob("*.yaml")))
 def test_each_experiment_composes_into_a_valid_model(name):
     cfg = composed("train", [f"+experiment={name}"])
-    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+    resolve_spec(cfg)
 
 
 def test_recall_long_reaches_its_farthest_copy():
@@ -159,4 +159,4 @@ def test_recall_long_reaches_its_farthest_copy():
 def test_ngram_validation_names_the_key(overrides, needle):
     cfg = composed("train", overrides)
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+        resolve_spec(cfg)

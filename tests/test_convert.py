@@ -42,7 +42,7 @@ from transformers.models.transfo_xl import modeling_transfo_xl
 from crtn.checkpoint import checkpoint_spec as checkpoint_config
 from crtn.checkpoint import load_checkpoint
 from crtn.convert import ConversionError, convert, infer_hparams, read_source, resolve_hparams
-from crtn.model import build_model
+from crtn.model import build_model, resolve_spec
 from crtn.model.adaptive import flip_cluster_order
 
 V, B, L, MEM = 50, 2, 8, 8  # vocabulary, streams, segment length, memory
@@ -570,12 +570,14 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     txl = build_model(txl_cfg, len(symbols)).eval()
     txl.load_state_dict(ckpt["model"])
     for query, summary in (("token", "last_state"), ("linear", "linear")):
-        cfg = replace(
-            txl_cfg,
-            model=replace(txl_cfg.model, name="crtn"),
-            cache=replace(txl_cfg.cache, n_slot=0),
-            query=replace(txl_cfg.query, strategy=query),
-            summary=replace(txl_cfg.summary, name=summary),
+        cfg = resolve_spec(
+            replace(
+                txl_cfg,
+                model=replace(txl_cfg.model, name="crtn"),
+                cache=replace(txl_cfg.cache, n_slot=0),
+                query=replace(txl_cfg.query, strategy=query),
+                summary=replace(txl_cfg.summary, name=summary),
+            )
         )
         torch.manual_seed(0)
         crtn = build_model(cfg, len(symbols)).eval()

@@ -87,7 +87,7 @@ def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
 def make_case(
     name: str, spec: Any, s: BenchSpec, device: torch.device, train: bool = True, batch: int | None = None
 ) -> Case:
-    """A case of the model ``spec`` describes (a spec or a config node; built with seed 0) with
+    """A case of the model ``spec`` describes (a resolved spec: :func:`crtn.model.resolve_spec`; built with seed 0) with
     vocabulary ``s.vocab``, an Adam optimiser when ``train``, and random token streams of ``batch``
     (default ``s.batch``) rows, long enough to fill its memory and cache and then step on."""
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from crtn.bench.cases import (
     tokens_per_s,
 )
 from crtn.config import default_summary
-from crtn.model import SegmentCache
+from crtn.model import SegmentCache, resolve_spec
 from crtn.model.summary import make_summary
 
 #: pairings of the N-scaling rows: ``token`` with one key per slot (``last_state``; the
@@ -70,10 +70,16 @@ def bench_strategies(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("train", "eval"):
         train = mode == "train"
-        cases = [make_case(f"txl(mem_len={L})", model_cfg(s, "txl", L), s, device=b.device, train=train)]
+        cases = [
+            make_case(
+                f"txl(mem_len={L})", resolve_spec(model_cfg(s, "txl", L)), s, device=b.device, train=train
+            )
+        ]
         what = {cases[0].name: f"Transformer-XL, memory {L} (the reference)"}
         for name, measures, kw in strategy_cases(s.strategies):
-            cases.append(make_case(name, model_cfg(s, "crtn", L, **kw), s, device=b.device, train=train))
+            cases.append(
+                make_case(name, resolve_spec(model_cfg(s, "crtn", L, **kw)), s, device=b.device, train=train)
+            )
             what[name] = f"{measures}; n_slot={s.n_slot}, top_k={s.top_k}"
         b.log(f"strategies/{mode}: timing {len(cases)} configurations")
         time_cases(cases, b, memory=train)
@@ -88,11 +94,13 @@ def bench_range(b: Bench) -> dict[str, Any]:
     s = b.s
     L, N = s.tgt_len, s.n_slot
     long_mem = L + N * L
-    cases = [make_case(f"txl(mem_len={long_mem})", model_cfg(s, "txl", long_mem), s, device=b.device)]
+    cases = [
+        make_case(f"txl(mem_len={long_mem})", resolve_spec(model_cfg(s, "txl", long_mem)), s, device=b.device)
+    ]
     for q in ("token", "last_l"):
         summ = default_summary(q)
         cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
-        cases.append(make_case(f"crtn({q}/{summ}, n_slot={N})", cfg, s, device=b.device))
+        cases.append(make_case(f"crtn({q}/{summ}, n_slot={N})", resolve_spec(cfg), s, device=b.device))
     b.log(f"range: txl(mem_len={long_mem}) against crtn(n_slot={N})")
     time_cases(cases, b)
     rows = [row(c, cases[0]) for c in cases]
