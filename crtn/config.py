@@ -378,17 +378,18 @@ def schema_node(cls: type) -> DictConfig:
     return node
 
 
-def _writable(node: DictConfig | ListConfig) -> None:
-    """Clear the read-only flag of ``node`` and of every container below it (public OmegaConf
-    API only: a missing, None or interpolated entry holds no container to clear)."""
-    OmegaConf.set_readonly(node, None)
-    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
-    for key in keys:
-        if OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
-            continue
-        child = node[key]
-        if isinstance(child, (DictConfig, ListConfig)):
-            _writable(child)
+def _writable(node: Any) -> None:
+    """Clear the read-only flag of ``node`` and of every node below it. Through OmegaConf's
+    node-level API (``_set_flag``, ``_get_node``): the public ``set_readonly`` cannot reach the
+    node of an entry whose value is None (``ConvertAppSpec.data``), which Hydra must still merge
+    an option into."""
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+        for key in node.keys():
+            _writable(node._get_node(key))
+    elif isinstance(node, ListConfig) and not node._is_none() and not node._is_missing():
+        for i in range(len(node)):
+            _writable(node._get_node(i))
 
 
 def register_configs() -> None:
