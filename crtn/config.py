@@ -31,27 +31,18 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from crtn.data.spec import (  # noqa: F401
-    CHAR_DATASETS,
-    DATASETS,
+from crtn.data.spec import (
     DataSpec,
-    MqarSpec,
-    SyntheticSpec,
-    data_level,
-    metric_name,
     resolve_data,
 )
 from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
-from crtn.model import (  # noqa: F401
+from crtn.model import (
     dependency_range,
     evaluation_spec,
-    model_class,
     resolve_spec,
-    valid_pairs,
-    valid_summaries,
 )
 from crtn.model.spec import (
     CacheSpec,

@@ -39,10 +39,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from crtn.app import resolve_device, run_app
+from crtn.app import load_with_overrides, resolve_device, run_app
 from crtn.data import load_corpus
 from crtn.errors import UserError
-from crtn.evaluate import load_with_overrides
 from crtn.model import build_model
 
 log = logging.getLogger("crtn.generate")

@@ -38,12 +38,13 @@ from crtn.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from crtn.config import ResolvedRun, dependency_range, load_spec, metric_name, spec_dict
+from crtn.config import ResolvedRun, load_spec, spec_dict
 from crtn.data import load_corpus
+from crtn.data.spec import metric_name
 from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
-from crtn.model import build_model, require_resolved, with_spec
+from crtn.model import build_model, dependency_range, require_resolved, with_spec
 from crtn.objective import chunk_loss, scored_tokens, selection_loss
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
@@ -132,7 +133,6 @@ class Trainer:
         # the run spec as checkpoints store it: every default written out, so a checkpoint keeps
         # building this model when a default changes
         self.config_dict = spec_dict(cfg)
-        self.eval_spec = cfg.eval_spec  # the model spec of validation (eval.* applied)
         self._eval_twins: dict[int, torch.nn.Module] = {}
         self._load_data()
         self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
@@ -542,7 +542,7 @@ class Trainer:
         itself when they are the trained ones, else a twin sharing its parameters, made once."""
         key = id(model)
         if key not in self._eval_twins:
-            self._eval_twins[key] = with_spec(model, self.eval_spec)
+            self._eval_twins[key] = with_spec(model, self.cfg.eval_spec)
         return self._eval_twins[key]
 
     def validate(self) -> None:

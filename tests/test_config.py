@@ -18,12 +18,10 @@ from crtn.config import (
     default_summary,
     register_configs,
     train_config,
-    valid_pairs,
-    valid_summaries,
 )
 from crtn.data import load_corpus
 from crtn.errors import ConfigError
-from crtn.model import resolve_spec
+from crtn.model import resolve_spec, valid_pairs, valid_summaries
 from crtn.model.crtn import dependency_range
 from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
 

@@ -562,7 +562,7 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from crtn.trainer import init_from as _init_from
+    from crtn.checkpoint import init_from as _init_from
 
     _, out, _, symbols = converted["text"]
     ckpt = load_checkpoint(out / "model.pt")

@@ -255,7 +255,7 @@ def test_corrupt_or_mismatched_checkpoint_is_refused_and_kept(tmp_path):
 
 
 def test_lr_schedule_hand_computed():
-    from crtn.train import lr_factor
+    from crtn.optim import lr_factor
 
     assert lr_factor(0, "cosine", 4, 104, 0.0) == pytest.approx(0.25)
     assert lr_factor(3, "cosine", 4, 104, 0.0) == pytest.approx(1.0)
