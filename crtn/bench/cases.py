@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from crtn.config import BenchSpec, spec_dict, train_config
-from crtn.model import Spec, TransformerLM, build_model
+from crtn.model import ResolvedSpec, Spec, TransformerLM, build_model, resolve_spec
 
 #: slots filled by real steps before a case's timing; a larger cache gets the rest of its slots
 #: as random states (:func:`fill_cache`: the cost of a step does not depend on what they hold)
@@ -66,6 +66,15 @@ def model_cfg(s: BenchSpec, name: str, mem_len: int, **kw: Any):
     """A crtn-train config node for a benchmark model: the schema's defaults (as the tests' configs,
     :func:`crtn.config.train_config`) with :func:`size_overrides`, ``model.name`` and ``kw`` (dotted keys)."""
     return train_config({**size_overrides(s, mem_len), "model.name": name, **kw})
+
+
+def model_spec(s: BenchSpec, name: str, mem_len: int, **kw: Any) -> ResolvedSpec:
+    """The resolved spec of :func:`model_cfg` (:func:`crtn.model.resolve_spec`), what
+    :func:`make_case` builds.
+
+    Raises:
+        ConfigError: a value or pairing the model's rules refuse."""
+    return resolve_spec(model_cfg(s, name, mem_len, **kw))
 
 
 def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
