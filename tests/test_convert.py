@@ -294,7 +294,7 @@ def converted(tmp_path_factory):
         root,
     )
     runs["eval"] = popen(
-        "crtn.evaluate",
+        "crtn.eval_app",
         [f"checkpoint={ft / 'model.pt'}", "splits=[test]", "progress=false", f"hydra.run.dir={root / 'ev'}"],
         root,
     )
