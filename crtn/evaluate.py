@@ -7,8 +7,9 @@ returns JSON-ready metrics:
 
 - ``loss``: mean NLL in nats per target token; ``ppl = exp(loss)`` for word-level
   corpora, ``bpc = loss / ln 2`` for character-level ones;
-- what :mod:`crtn.measures` measures besides: repeat and fresh tokens of the passage-recall
-  corpus, the answers of MQAR, perplexity by word frequency, loss by the distance to the previous
+- what :mod:`crtn.measures` measures besides: the corpus' own metrics (its task,
+  :class:`crtn.data.task.Task`: repeat and fresh tokens of the passage-recall corpus, the answers
+  of MQAR), perplexity by word frequency, loss by the distance to the previous
   occurrence of the target (``distance_buckets``, :mod:`crtn.analysis.distance`), and for crtn
   ``retrieval`` (the histogram of selected-segment distances and the weights alpha).
 """
@@ -24,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 from crtn.data.spec import metric_name
-from crtn.measures import Measures, format_answers
+from crtn.data.task import Task
+from crtn.measures import Measures
 from crtn.model import TransformerLM
 
 
@@ -113,13 +115,5 @@ def format_metrics(m: dict[str, Any]) -> str:
     key = "bpc" if "bpc" in m else "ppl"
     fmt = "{:.4f}" if key == "bpc" else "{:.2f}"
     parts = [f"{m['split']}: {key} {fmt.format(m[key])} (loss {m['loss']:.4f}, {m['tokens']:,} tokens)"]
-    for k in ("repeat", "fresh"):
-        e = m.get(k)
-        if e and "ppl" in e:
-            src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
-            hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
-            if "copy_retrieved" in e:
-                hit += f" (or a copy {e['copy_retrieved']:.2f})"
-            parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
-    parts += format_answers(m)  # data=mqar
+    parts += Task.format_all(m)  # the corpus' own metrics (crtn.data.task)
     return " | ".join(parts)

@@ -45,7 +45,7 @@ from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
 from crtn.model import build_model, dependency_range, require_resolved, with_spec
-from crtn.objective import chunk_loss, scored_tokens, selection_loss
+from crtn.objective import chunk_loss
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
 from crtn.signals import Stop, catch_signals
@@ -436,9 +436,7 @@ class Trainer:
         p.batch_index = batch.index + 1
         x = batch.input.to(self.device, non_blocking=True)
         y = batch.target.to(self.device, non_blocking=True)
-        scored = None  # every token; else the mask of the scored tokens and their count
-        if self.corpus.train_on_labels:
-            scored = scored_tokens(batch.label, self.device)
+        scored = self.corpus.task.loss_mask(batch.label, self.device)  # None: every token
         self.optimizer.zero_grad(set_to_none=True)
         for c in range(chunks):
             rows = slice(c * bs, (c + 1) * bs)
@@ -561,14 +559,12 @@ class Trainer:
         self.validate_pending = False
         p.elapsed = time.perf_counter() - self.t_start
         rec = {"step": p.step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": p.elapsed}
-        for k in ("repeat", "fresh", "answers"):  # answers: data=mqar
-            if k in m and "acc" in m[k]:
-                rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
+        rec.update(self.corpus.task.record(m))  # the corpus' own metrics
         log.info("eval at step %d: %s (%.1fs)", p.step, format_metrics(m), time.perf_counter() - t_eval)
         append_jsonl(self.metrics_path, rec)
         if self.tb:
             self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
-        loss = selection_loss(m, self.corpus.train_on_labels)
+        loss = self.corpus.task.selection_loss(m)
         if loss is not None and loss < p.best_valid:
             p.best_valid = loss
             save_checkpoint(self.best, self.checkpoint(with_states=False))
