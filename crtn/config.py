@@ -43,6 +43,7 @@ from crtn.model import (
     dependency_range,
     evaluation_spec,
     resolve_spec,
+    valid_pairs,
 )
 from crtn.model.spec import (
     CacheSpec,
@@ -385,12 +386,25 @@ def _writable(node: Any) -> None:
 
 def register_configs() -> None:
     """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
-    ``convert_schema``, ``recl_schema``, ``bench_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
+    ``convert_schema``, ``recl_schema``, ``bench_schema``) and the ``pair`` options
+    (:func:`pair_options`) in Hydra's ConfigStore, and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()
     for name, schema in APP_SCHEMAS.items():
         cs.store(name=f"{name}_schema", node=schema_node(schema))
+    for name, node in pair_options().items():
+        cs.store(group="pair", name=name, node=node, package="_global_")
+
+
+def pair_options() -> dict[str, dict[str, Any]]:
+    """The options of the ``pair`` group, one per valid query x summary pairing
+    (:func:`crtn.model.valid_pairs`, the one list of them): ``+pair=QUERY-SUMMARY`` selects
+    ``query=QUERY summary=SUMMARY``, and ``+experiment=ablation_query`` sweeps them all
+    (``+pair: glob(*)``)."""
+    return {
+        f"{q}-{s}": {"defaults": [{"override /query": q}, {"override /summary": s}]} for q, s in valid_pairs()
+    }
 
 
 def train_config(overrides: dict[str, Any] | None = None) -> DictConfig:
