@@ -35,7 +35,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from crtn.config import APP_SCHEMAS, register_configs
+from crtn.checkpoint import checkpoint_spec, load_checkpoint
+from crtn.config import APP_SCHEMAS, ResolvedRun, check_eval_cache, register_configs
 from crtn.errors import ConfigError, UserError
 from crtn.rundir import RunDirLocked, lock_run_dir, previous_run
 from crtn.utils import atomic_write, atomic_write_text, tune_allocator
@@ -284,3 +285,24 @@ def one_line(e: BaseException) -> str:
             if line and not line.startswith(("full_key:", "reference_type=", "object_type=")):
                 parts.append(line)
     return "; ".join(dict.fromkeys(parts)) or type(e).__name__
+
+
+def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], ResolvedRun]:
+    """Read ``cfg.checkpoint`` and make the run spec of its evaluation: the checkpoint's, with the
+    ``cache.*`` and ``data.*`` keys given on the command line and the app's ``eval.*`` settings
+    (:func:`crtn.checkpoint.checkpoint_spec`; the evaluation model is built from
+    :attr:`crtn.config.ResolvedRun.eval_spec`). The cache's size comes from
+    ``eval.n_slot``/``eval.top_k`` only. Used by crtn-eval and crtn-generate.
+
+    Raises:
+        CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse,
+            ``cache.n_slot`` or ``cache.top_k`` set (:func:`crtn.config.check_eval_cache`).
+    """
+    check_eval_cache(cfg.cache)
+    ckpt = load_checkpoint(cfg.checkpoint)
+    overrides = {
+        "cache": given_keys(cfg, "cache"),
+        "data": given_keys(cfg, "data"),
+        "eval": OmegaConf.to_container(cfg.eval),
+    }
+    return ckpt, checkpoint_spec(ckpt, overrides)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crtn.config import RunSpec, load_spec
+from crtn.config import ResolvedRun, load_spec
 from crtn.errors import CheckpointError
 from crtn.utils import atomic_write
 
@@ -137,7 +137,7 @@ def unreadable(path: Path, e: BaseException) -> str:
     return f"checkpoint {str(path)!r} cannot be read ({_first_line(e)})"
 
 
-def checkpoint_spec(ckpt: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunSpec:
+def checkpoint_spec(ckpt: dict[str, Any], overrides: dict[str, Any] | None = None) -> ResolvedRun:
     """The run spec a checkpoint was trained with (:func:`crtn.config.load_spec`: a config saved by
     an earlier version is upgraded, keys added to the schema since take their defaults), with
     ``overrides`` (nested dict, e.g. evaluation-time ``cache.*``) merged in and resolved.
@@ -219,3 +219,21 @@ def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
     log.info("init_from %s: loaded %d tensors", path, len(ckpt["model"]))
     if missing:
         log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))
+
+
+def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
+    """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
+
+    Raises:
+        CheckpointError: names the checkpoint and the corpus folder or file.
+    """
+    saved = ckpt.get("vocab")
+    if saved is None or list(saved) == list(corpus.vocab.idx2sym):
+        return
+    files = corpus.info.get("files") or []
+    where = repr(str(Path(files[0]).parent)) if files else f"data.name={corpus.name}"
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with another vocabulary ({len(saved)} symbols) than the "
+        f"corpus of {where} ({len(corpus.vocab)}); point data.root/data.dir/data.path "
+        "at the corpus it was trained on"
+    )

@@ -24,30 +24,38 @@ Names follow the Transformer-XL release (``n_layer``, ``d_model``, ``tgt_len``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from crtn.data.spec import (  # noqa: F401
-    CHAR_DATASETS,
-    DATASETS,
+from crtn.data.spec import (
     DataSpec,
-    MqarSpec,
-    SyntheticSpec,
-    data_level,
-    metric_name,
     resolve_data,
 )
 from crtn.errors import ConfigError, check_choice
 from crtn.model import MODELS as MODEL_CLASSES
 from crtn.model import STRATEGIES as STRATEGY_CLASSES
 from crtn.model import SUMMARIES as SUMMARY_CLASSES
-from crtn.model import dependency_range, drop_unread, model_class, resolve_spec, valid_pairs, valid_summaries  # noqa: F401
-from crtn.model import evaluation_spec as _evaluation_spec
-from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
+from crtn.model import (
+    dependency_range,
+    drop_unread,
+    evaluation_spec,
+    resolve_spec,
+    valid_pairs,
+)
+from crtn.model.spec import (
+    CacheSpec,
+    ModelSpec,
+    QuerySpec,
+    Resolved,
+    ResolvedSpec,
+    Spec,
+    SummarySpec,
+    minting,
+)
 from crtn.optim import validate_training
 
 # the names of the registered models, query strategies and summaries (crtn/model/)
@@ -140,10 +148,31 @@ class RunSpec:
     seed: int = 1111
     init_from: str | None = None  # a crtn checkpoint (e.g. from crtn-convert) to start from
 
-    def evaluation(self) -> Spec:
-        """The model spec of evaluation: the run's with ``eval.*`` applied
-        (:func:`crtn.model.evaluation_spec`)."""
-        return _evaluation_spec(model_specs(self), self.eval)
+
+@dataclass(frozen=True)
+class ResolvedRun(RunSpec, Resolved):
+    """A :class:`RunSpec` made by :func:`resolve` (and so by :func:`load_spec`): every derived
+    default filled, every rule checked. What :class:`crtn.trainer.Trainer` runs and the builders
+    take (:func:`crtn.model.spec.require_resolved`); ``dataclasses.replace`` on one gives a plain
+    :class:`RunSpec`, to resolve again.
+
+    ``spec``: the model of training, ``eval_spec``: the model of evaluation (``eval.*`` applied,
+    :func:`crtn.model.evaluation_spec`), both :class:`crtn.model.ResolvedSpec`, made once by
+    :func:`resolve`.
+    """
+
+    _unresolved = RunSpec
+
+    def __post_init__(self) -> None:
+        self._demote_unless_minted()
+
+    @property
+    def spec(self) -> ResolvedSpec:
+        return self._spec  # type: ignore[attr-defined]  # set by resolve()
+
+    @property
+    def eval_spec(self) -> ResolvedSpec:
+        return self._eval_spec  # type: ignore[attr-defined]  # set by resolve()
 
 
 @dataclass(frozen=True)
@@ -360,6 +389,10 @@ def schema_node(cls: type) -> DictConfig:
 
 
 def _writable(node: Any) -> None:
+    """Clear the read-only flag of ``node`` and of every node below it. Through OmegaConf's
+    node-level API (``_set_flag``, ``_get_node``): the public ``set_readonly`` cannot reach the
+    node of an entry whose value is None (``ConvertAppSpec.data``), which Hydra must still merge
+    an option into."""
     node._set_flag("readonly", None)
     if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
         for key in node.keys():
@@ -371,12 +404,25 @@ def _writable(node: Any) -> None:
 
 def register_configs() -> None:
     """Register every app's schema (``train_schema``, ``eval_schema``, ``generate_schema``,
-    ``convert_schema``, ``recl_schema``, ``bench_schema``) in Hydra's ConfigStore and the ``crtn_range`` resolver (idempotent)."""
+    ``convert_schema``, ``recl_schema``, ``bench_schema``) and the ``pair`` options
+    (:func:`pair_options`) in Hydra's ConfigStore, and the ``crtn_range`` resolver (idempotent)."""
     if not OmegaConf.has_resolver("crtn_range"):
         OmegaConf.register_new_resolver("crtn_range", dependency_range)
     cs = ConfigStore.instance()
     for name, schema in APP_SCHEMAS.items():
         cs.store(name=f"{name}_schema", node=schema_node(schema))
+    for name, node in pair_options().items():
+        cs.store(group="pair", name=name, node=node, package="_global_")
+
+
+def pair_options() -> dict[str, dict[str, Any]]:
+    """The options of the ``pair`` group, one per valid query x summary pairing
+    (:func:`crtn.model.valid_pairs`, the one list of them): ``+pair=QUERY-SUMMARY`` selects
+    ``query=QUERY summary=SUMMARY``, and ``+experiment=ablation_query`` sweeps them all
+    (``+pair: glob(*)``)."""
+    return {
+        f"{q}-{s}": {"defaults": [{"override /query": q}, {"override /summary": s}]} for q, s in valid_pairs()
+    }
 
 
 def train_config(overrides: dict[str, Any] | None = None) -> DictConfig:
@@ -393,10 +439,11 @@ def train_config(overrides: dict[str, Any] | None = None) -> DictConfig:
 
 
 # ================================================================== resolution
-def resolve(cfg: Any) -> RunSpec:
+def resolve(cfg: Any) -> ResolvedRun:
     """The run spec of a composed ``crtn-train`` config (or of a :class:`RunSpec`): frozen, every
-    derived default filled, every rule checked once by the part that owns it (module docstring).
-    Resolving a run spec returns an equal one.
+    derived default filled, every rule checked once by the part that owns it (module docstring),
+    the model specs of training and evaluation made (:class:`ResolvedRun`). Resolving a run spec
+    returns an equal one.
 
     Raises:
         ConfigError: one line naming the offending key and value.
@@ -405,28 +452,16 @@ def resolve(cfg: Any) -> RunSpec:
     model = resolve_spec(run)
     data = resolve_data(run.data)
     optim, train = resolve_training(run.optim, run.train, data)
-    run = replace(
-        run,
-        model=model.model,
-        cache=model.cache,
-        query=model.query,
-        summary=model.summary,
-        data=data,
-        optim=optim,
-        train=train,
-        eval=resolve_eval(run.eval, model, data),
-    )
-    run.evaluation()  # the evaluation settings' rules: fail now, not after hours of training
-    return run
-
-
-def validate_train(cfg: Any) -> None:
-    """Check a ``crtn-train`` config without keeping its run spec (:func:`resolve`).
-
-    Raises:
-        ConfigError: one line naming the offending key and value.
-    """
-    resolve(cfg)
+    ev = resolve_eval(run.eval, model, data)
+    # the evaluation settings' rules: fail now, not after hours of training
+    evaluation = evaluation_spec(model, ev)
+    parts = {f.name: getattr(run, f.name) for f in fields(RunSpec)}
+    parts.update(model=model.model, cache=model.cache, query=model.query, summary=model.summary)
+    with minting():
+        resolved = ResolvedRun(**{**parts, "data": data, "optim": optim, "train": train, "eval": ev})
+    object.__setattr__(resolved, "_spec", model)
+    object.__setattr__(resolved, "_eval_spec", evaluation)
+    return resolved
 
 
 def resolve_training(optim: OptimSpec, train: TrainSpec, data: DataSpec) -> tuple[OptimSpec, TrainSpec]:
@@ -462,7 +497,7 @@ def resolve_training(optim: OptimSpec, train: TrainSpec, data: DataSpec) -> tupl
 def resolve_eval(ev: EvalSpec, spec: Spec, data: DataSpec) -> EvalSpec:
     """The evaluation settings with None filled by the trained values (``batch_size``:
     ``data.eval_batch_size``; ``max_step`` None stays: all segments); the sizes checked here, their
-    relations by the model (:meth:`RunSpec.evaluation`).
+    relations by the model (:func:`crtn.model.evaluation_spec`).
 
     Raises:
         ConfigError: naming the ``eval.*`` key.
@@ -526,7 +561,7 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def load_spec(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunSpec:
+def load_spec(config: dict[str, Any], overrides: dict[str, Any] | None = None) -> ResolvedRun:
     """The run spec of a config dict as a checkpoint stores it (:func:`spec_dict`), after
     :func:`upgrade` and with ``overrides`` (a nested dict, e.g. evaluation-time ``cache.*``) merged
     in; resolved as :func:`resolve` does, so keys added to the schema since take their defaults.

@@ -1,4 +1,5 @@
-"""Evaluation: perplexity / bits per character on a split, and ``crtn-eval``.
+"""Evaluation: perplexity / bits per character on a split (the library of ``crtn-train``'s
+validations, ``crtn-eval``: :mod:`crtn.eval_app`, and ``crtn-recl``).
 
 ``evaluate`` runs the model over a whole split in order (Transformer-XL batching,
 memory and cache carried across segments and reset at the start, docs/method.md §4-5) and
@@ -6,41 +7,27 @@ returns JSON-ready metrics:
 
 - ``loss``: mean NLL in nats per target token; ``ppl = exp(loss)`` for word-level
   corpora, ``bpc = loss / ln 2`` for character-level ones;
-- what :mod:`crtn.measures` measures besides: repeat and fresh tokens of the passage-recall
-  corpus, the answers of MQAR, perplexity by word frequency, loss by the distance to the previous
+- what :mod:`crtn.measures` measures besides: the corpus' own metrics (its task,
+  :class:`crtn.data.task.Task`: repeat and fresh tokens of the passage-recall corpus, the answers
+  of MQAR), perplexity by word frequency, loss by the distance to the previous
   occurrence of the target (``distance_buckets``, :mod:`crtn.analysis.distance`), and for crtn
   ``retrieval`` (the histogram of selected-segment distances and the weights alpha).
-
-``crtn-eval checkpoint=PATH`` evaluates a checkpoint with eval-time lengths and cache
-overrides (``eval.tgt_len``, ``eval.mem_len``, ``eval.n_slot``, ``cache.backend=faiss``...): they
-make the run spec of the evaluation (:func:`load_with_overrides`), and the model is built for it.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from crtn.app import given_keys, resolve_device, run_app
-from crtn.checkpoint import checkpoint_spec, load_checkpoint
-from crtn.config import RunSpec, check_eval_cache, metric_name
-from crtn.data import load_corpus
-from crtn.errors import CheckpointError, UserError
-from crtn.measures import Measures, format_answers
-from crtn.model import TransformerLM, build_model
-from crtn.utils import atomic_write_text
-
-log = logging.getLogger(__name__)
+from crtn.data.spec import metric_name
+from crtn.data.task import Task
+from crtn.measures import Measures
+from crtn.model import TransformerLM
 
 
 def metric_value(loss: float, level: str) -> float:
@@ -68,7 +55,7 @@ def evaluate(
     stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``model`` on a split of ``corpus`` with the model's own lengths and cache (a model
-    built for evaluation-time settings: :meth:`crtn.config.RunSpec.evaluation`, :func:`crtn.model.with_spec`).
+    built for evaluation-time settings: :attr:`crtn.config.ResolvedRun.eval_spec`, :func:`crtn.model.with_spec`).
 
     Args:
         model: the language model (its ``tgt_len``, ``mem_len``, ``n_slot``... apply).
@@ -128,94 +115,5 @@ def format_metrics(m: dict[str, Any]) -> str:
     key = "bpc" if "bpc" in m else "ppl"
     fmt = "{:.4f}" if key == "bpc" else "{:.2f}"
     parts = [f"{m['split']}: {key} {fmt.format(m[key])} (loss {m['loss']:.4f}, {m['tokens']:,} tokens)"]
-    for k in ("repeat", "fresh"):
-        e = m.get(k)
-        if e and "ppl" in e:
-            src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
-            hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
-            if "copy_retrieved" in e:
-                hit += f" (or a copy {e['copy_retrieved']:.2f})"
-            parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
-    parts += format_answers(m)  # data=mqar
+    parts += Task.format_all(m)  # the corpus' own metrics (crtn.data.task)
     return " | ".join(parts)
-
-
-def _jsonable(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
-
-
-def load_with_overrides(cfg: Any) -> tuple[dict[str, Any], RunSpec]:
-    """Read ``cfg.checkpoint`` and make the run spec of its evaluation: the checkpoint's, with the
-    ``cache.*`` and ``data.*`` keys given on the command line and the app's ``eval.*`` settings
-    (:func:`crtn.checkpoint.checkpoint_spec`; the evaluation model is built from
-    :meth:`RunSpec.evaluation`). The cache's size comes from ``eval.n_slot``/``eval.top_k`` only.
-    Used by crtn-eval and crtn-generate.
-
-    Raises:
-        CheckpointError: unreadable checkpoint. ConfigError: a setting the rules refuse,
-            ``cache.n_slot`` or ``cache.top_k`` set (:func:`crtn.config.check_eval_cache`).
-    """
-    check_eval_cache(cfg.cache)
-    ckpt = load_checkpoint(cfg.checkpoint)
-    overrides = {
-        "cache": given_keys(cfg, "cache"),
-        "data": given_keys(cfg, "data"),
-        "eval": OmegaConf.to_container(cfg.eval),
-    }
-    return ckpt, checkpoint_spec(ckpt, overrides)
-
-
-def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
-    """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
-
-    Raises:
-        CheckpointError: names the checkpoint and the corpus folder or file.
-    """
-    saved = ckpt.get("vocab")
-    if saved is None or list(saved) == list(corpus.vocab.idx2sym):
-        return
-    files = corpus.info.get("files") or []
-    where = repr(str(Path(files[0]).parent)) if files else f"data.name={corpus.name}"
-    raise CheckpointError(
-        f"checkpoint {str(path)!r} was trained with another vocabulary ({len(saved)} symbols) than the "
-        f"corpus of {where} ({len(corpus.vocab)}); point data.root/data.dir/data.path "
-        "at the corpus it was trained on"
-    )
-
-
-def run_eval(cfg: Any) -> dict[str, Any]:
-    """``crtn-eval``: evaluate ``cfg.checkpoint`` on ``cfg.splits``; writes ``eval.json``."""
-    ckpt, run = load_with_overrides(cfg)
-    device = resolve_device(cfg.device)
-    corpus = load_corpus(run.data)
-    check_vocab(ckpt, corpus, cfg.checkpoint)
-    model = build_model(run.evaluation(), len(corpus.vocab)).to(device)
-    model.load_state_dict(ckpt["model"])
-    results: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "step": ckpt.get("step")}
-    for split in cfg.splits:
-        if split not in corpus.splits:
-            raise UserError(f"splits: {split!r} is not one of {', '.join(corpus.splits)}")
-        m = evaluate(
-            model,
-            corpus,
-            split,
-            batch_size=run.eval.batch_size,
-            device=device,
-            max_step=run.eval.max_step,
-            progress=cfg.progress,
-        )
-        print(format_metrics(m), flush=True)
-        results[split] = _jsonable(m)
-    out = Path(HydraConfig.get().runtime.output_dir) / "eval.json"
-    atomic_write_text(out, json.dumps(results, indent=2))
-    log.info("wrote %s", out)
-    return results
-
-
-def main() -> None:
-    """Console entry point of ``crtn-eval`` (a Hydra app, config ``conf/eval.yaml``)."""
-    run_app("crtn-eval", "eval", run_eval, record_status=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -39,10 +39,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from crtn.app import resolve_device, run_app
+from crtn.app import load_with_overrides, resolve_device, run_app
 from crtn.data import load_corpus
 from crtn.errors import UserError
-from crtn.evaluate import load_with_overrides
 from crtn.model import build_model
 
 log = logging.getLogger("crtn.generate")
@@ -252,7 +251,7 @@ def run_generate(cfg: Any) -> dict[str, Any]:
     prompt_ids = _prompt_ids(prompt, symbols, mode)
 
     device = resolve_device(cfg.device)
-    model = build_model(run.evaluation(), len(symbols)).to(device)
+    model = build_model(run.eval_spec, len(symbols)).to(device)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:

@@ -2,13 +2,13 @@
 labelled tokens only, plus temporal activation regularisation.
 
 - **NLL.** The mean negative log-likelihood (nats) of the step's target tokens, every token by
-  default. A corpus may restrict it to its labelled tokens (:attr:`crtn.data.Corpus.train_on_labels`):
+  default. A corpus' task may restrict it to some tokens (:meth:`crtn.data.task.Task.loss_mask`):
   MQAR with ``data.mqar.train_loss=answers`` scores the answers only, as Zoology trains it
   (Arora et al. 2023, "Zoology", §3 and their ``multiquery_ar.py``, whose other targets are
   ignored); filler, keys and values are unpredictable by construction (:mod:`crtn.data.mqar`).
 - **TAR** (``train.tar``; Merity et al. 2018, AWD-LSTM): :func:`crtn.optim.tar_penalty`.
-- **Selection** (``best.pt``): the validation loss on the tokens the training loss scores
-  (:func:`selection_loss`); a validation that scores none of them cannot select.
+- **Selection** (``best.pt``): the corpus' task says which validation loss selects
+  (:meth:`crtn.data.task.Task.selection_loss`: the loss on the tokens the training loss scores).
 
 A step of ``chunks`` chunks (gradient accumulation) sums the chunks' losses: each chunk's mean
 is divided by ``chunks`` (every chunk has as many tokens), and a scored subset is divided by
@@ -19,33 +19,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import Tensor
 
 from crtn.optim import tar_penalty
 
 log = logging.getLogger(__name__)
-
-
-def scored_tokens(label: Tensor | None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """The tokens a step's loss scores when it scores the labelled ones only.
-
-    Args:
-        label: ``[B, L]`` labels of the step's target tokens (a :class:`crtn.data.Batch`'s
-            ``label``); a token is scored when its label is > 0.
-        device: where the mask goes (the model's device).
-
-    Returns:
-        ``(scored, count)``: a ``[B, L]`` bool mask and the number of scored tokens, at least 1
-        (a step without one has loss 0).
-
-    Raises:
-        ValueError: ``label`` is None (the corpus has no labels).
-    """
-    if label is None:
-        raise ValueError("the training loss scores the labelled tokens, but the batch carries no labels")
-    scored = label.to(device, non_blocking=True) > 0
-    return scored, scored.sum().clamp(min=1)
 
 
 def chunk_loss(
@@ -63,8 +41,8 @@ def chunk_loss(
         hidden: ``[B_chunk, L, d]`` top-layer outputs (for TAR).
         chunks: chunks per step.
         tar: the TAR weight (``train.tar``; 0: off).
-        scored: None (every token), or the chunk's rows of :func:`scored_tokens`' mask with the
-            step's count.
+        scored: None (every token), or the chunk's rows of the task's loss mask
+            (:meth:`crtn.data.task.Task.loss_mask`) with the step's count.
 
     Returns:
         ``(loss, nll_part)``: scalars; ``nll_part`` is detached, the chunk's share of the step's
@@ -79,29 +57,3 @@ def chunk_loss(
     if tar > 0:
         loss = loss + tar_penalty(hidden.float(), tar) / chunks
     return loss, part
-
-
-def selection_loss(metrics: dict, train_on_labels: bool) -> float | None:
-    """The validation loss that picks ``best.pt``: on the tokens the training loss scores.
-
-    Args:
-        metrics: :func:`crtn.evaluate.evaluate`'s result on the validation split.
-        train_on_labels: :attr:`crtn.data.Corpus.train_on_labels`; the one corpus that sets it,
-            MQAR, reports its labelled tokens as ``metrics["answers"]``.
-
-    Returns:
-        ``metrics["answers"]["loss"]`` when training scores the labelled tokens (the other tokens
-        are never trained), else ``metrics["loss"]`` (nats). None, with a warning, when training
-        scores the labelled tokens and the validation held none of them (its first
-        ``train.eval_max_step`` segments end before the first answer): ``best.pt`` stays as it is.
-    """
-    if not train_on_labels:
-        return metrics["loss"]
-    answers = metrics["answers"]
-    if answers["tokens"] == 0:
-        log.warning(
-            "validation scored no answers (its first train.eval_max_step segments hold none, "
-            "or only answers whose pair lies before the stream's start): best.pt is kept as it is"
-        )
-        return None
-    return answers["loss"]

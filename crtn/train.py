@@ -43,12 +43,11 @@ from crtn.config import resolve, uses_cache
 from crtn.distributed import DistributedContext
 from crtn.errors import ConfigError
 from crtn.evaluate import format_metrics
-from crtn.optim import lr_factor
 from crtn.rundir import claim_run_dir
-from crtn.trainer import Trainer, TrainingDiverged
+from crtn.trainer import Trainer
 from crtn.utils import atomic_write_text
 
-__all__ = ["TrainingDiverged", "Trainer", "lr_factor", "main", "run_training", "train_in"]
+__all__ = ["main", "run_training", "train_in"]
 
 log = logging.getLogger("crtn.train")
 

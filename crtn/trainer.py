@@ -38,13 +38,14 @@ from crtn.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from crtn.config import dependency_range, load_spec, metric_name, resolve, spec_dict
+from crtn.config import ResolvedRun, load_spec, spec_dict
 from crtn.data import load_corpus
+from crtn.data.spec import metric_name
 from crtn.distributed import DistributedContext
 from crtn.errors import CheckpointError, UserError
 from crtn.evaluate import EvaluationStopped, evaluate, format_metrics, metric_value
-from crtn.model import build_model, with_spec
-from crtn.objective import chunk_loss, scored_tokens, selection_loss
+from crtn.model import build_model, dependency_range, require_resolved, with_spec
+from crtn.objective import chunk_loss
 from crtn.optim import WeightAverage, avg_start_step, lr_factor, param_groups, total_steps
 from crtn.runlog import append_jsonl, truncate_jsonl
 from crtn.signals import Stop, catch_signals
@@ -114,7 +115,7 @@ def _tensorboard(run_dir: Path):
 
 class Trainer:
     """One training run of ``crtn-train`` (rank ``dist.rank`` of a data-parallel run), from its
-    resolved run spec (:func:`crtn.config.resolve`; ``cfg``).
+    resolved run spec (``cfg``: a :class:`crtn.config.ResolvedRun`, else TypeError).
 
     Built in the order a run needs (the RNG draws of model initialisation follow the seed):
     the corpus and its training iterator, the model (``init_from`` weights), Adam and the
@@ -124,7 +125,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Any, dist: DistributedContext, device: torch.device, run_dir: Path):
-        cfg = resolve(cfg)  # a run spec stays as it is; a composed config is resolved
+        cfg = require_resolved(cfg, "Trainer", ResolvedRun)
         self.cfg, self.dist, self.device, self.run_dir = cfg, dist, device, run_dir
         self.ckpt_dir = run_dir / "checkpoints"
         self.last, self.best = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
@@ -132,7 +133,6 @@ class Trainer:
         # the run spec as checkpoints store it: every default written out, so a checkpoint keeps
         # building this model when a default changes
         self.config_dict = spec_dict(cfg)
-        self.eval_spec = cfg.evaluation()  # the model spec of validation (eval.* applied)
         self._eval_twins: dict[int, torch.nn.Module] = {}
         self._load_data()
         self.total_steps = total_steps(cfg.train.max_step, cfg.train.max_epoch, len(self.train_it))
@@ -436,9 +436,7 @@ class Trainer:
         p.batch_index = batch.index + 1
         x = batch.input.to(self.device, non_blocking=True)
         y = batch.target.to(self.device, non_blocking=True)
-        scored = None  # every token; else the mask of the scored tokens and their count
-        if self.corpus.train_on_labels:
-            scored = scored_tokens(batch.label, self.device)
+        scored = self.corpus.task.loss_mask(batch.label, self.device)  # None: every token
         self.optimizer.zero_grad(set_to_none=True)
         for c in range(chunks):
             rows = slice(c * bs, (c + 1) * bs)
@@ -542,7 +540,7 @@ class Trainer:
         itself when they are the trained ones, else a twin sharing its parameters, made once."""
         key = id(model)
         if key not in self._eval_twins:
-            self._eval_twins[key] = with_spec(model, self.eval_spec)
+            self._eval_twins[key] = with_spec(model, self.cfg.eval_spec)
         return self._eval_twins[key]
 
     def validate(self) -> None:
@@ -561,14 +559,12 @@ class Trainer:
         self.validate_pending = False
         p.elapsed = time.perf_counter() - self.t_start
         rec = {"step": p.step, "valid_loss": m["loss"], f"valid_{mname}": m[mname], "elapsed": p.elapsed}
-        for k in ("repeat", "fresh", "answers"):  # answers: data=mqar
-            if k in m and "acc" in m[k]:
-                rec[f"valid_{k}_ppl"], rec[f"valid_{k}_acc"] = m[k]["ppl"], m[k]["acc"]
+        rec.update(self.corpus.task.record(m))  # the corpus' own metrics
         log.info("eval at step %d: %s (%.1fs)", p.step, format_metrics(m), time.perf_counter() - t_eval)
         append_jsonl(self.metrics_path, rec)
         if self.tb:
             self.tb.add_scalar(f"valid/{mname}", m[mname], p.step)
-        loss = selection_loss(m, self.corpus.train_on_labels)
+        loss = self.corpus.task.selection_loss(m)
         if loss is not None and loss < p.best_valid:
             p.best_valid = loss
             save_checkpoint(self.best, self.checkpoint(with_states=False))

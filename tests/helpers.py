@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from crtn.config import train_config
-from crtn.model import TransformerLM, build_model
+from crtn.model import TransformerLM, build_model, resolve_spec
 
 #: Values the tests were written against where they differ from the schema's defaults (which
 #: are the command line's since crtn.config became the one source of defaults).
@@ -49,7 +49,7 @@ def tiny_model(n_token: int = 11, double: bool = True, **overrides: Any) -> Tran
     """A tiny model in eval mode (float64 by default), with non-trivial LayerNorm and bias values."""
     import torch
 
-    model = build_model(tiny_cfg(**overrides), n_token)
+    model = build_model(resolve_spec(tiny_cfg(**overrides)), n_token)
     if double:
         model = model.double()
     with torch.no_grad():

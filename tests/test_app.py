@@ -56,14 +56,14 @@ def test_train_rejects_unknown_keys_without_plus(tmp_path):
 @pytest.mark.parametrize(
     "module,prog,args,dotted",
     [
-        ("crtn.evaluate", "crtn-eval", ["checkpoint=none.pt", "+eval.x=1"], "eval.x"),
+        ("crtn.eval_app", "crtn-eval", ["checkpoint=none.pt", "+eval.x=1"], "eval.x"),
         ("crtn.generate", "crtn-generate", ["checkpoint=none.pt", "+x=1"], "x"),
         ("crtn.convert", "crtn-convert", ["src=none", "out=OUT", "data=ptb", "+data.x=1"], "data.x"),
     ],
 )
 def test_every_app_rejects_unknown_keys(tmp_path, module, prog, args, dotted):
     args = [a.replace("OUT", str(tmp_path / "out")) for a in args]
-    if module == "crtn.evaluate":
+    if module == "crtn.eval_app":
         args.append(f"hydra.run.dir={tmp_path / 'ev'}")
     p = cli(module, args, tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr

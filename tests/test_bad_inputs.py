@@ -26,7 +26,7 @@ import torch
 from crtn.bench import main as bench_main
 from crtn.convert import main as convert_main
 from crtn.data import load_corpus
-from crtn.evaluate import main as eval_main
+from crtn.eval_app import main as eval_main
 from crtn.generate import main as generate_main
 from crtn.report.cli import main as report_main
 from crtn.train import main as train_main

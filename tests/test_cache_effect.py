@@ -103,7 +103,7 @@ def test_the_contributions_of_real_evaluations_add_up_to_their_loss_change(tmp_p
         "splits=[test]",
         "progress=false",
     ]
-    done = cli("crtn.evaluate", [*ev, f"hydra.sweep.dir={sweep}"], tmp_path)
+    done = cli("crtn.eval_app", [*ev, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     losses = {}
     for d in sweep.iterdir():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crtn.config import valid_pairs
+from crtn.model import valid_pairs
 from tests.helpers import tiny_model
 
 V = 11

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from crtn.bench.cases import model_cfg, size_overrides
@@ -16,18 +17,17 @@ from crtn.config import (
     BenchSpec,
     RunSpec,
     default_summary,
+    pair_options,
     register_configs,
     train_config,
-    valid_pairs,
-    valid_summaries,
 )
 from crtn.data import load_corpus
 from crtn.errors import ConfigError
-from crtn.model import validate_model
+from crtn.model import resolve_spec, valid_pairs, valid_summaries
 from crtn.model.crtn import dependency_range
 from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
 
-PAIR_DIR = Path(__file__).resolve().parents[1] / "conf" / "pair"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def composed(config_name: str, overrides: list[str] | None = None):
@@ -95,19 +95,22 @@ def test_token_defaults_to_token_max():
     assert default_summary("token") == train_config().summary.name == "token_max"
 
 
-def test_pair_files_are_exactly_the_valid_pairs():
-    files = {p.stem for p in PAIR_DIR.glob("*.yaml")}
-    assert files == {f"{q}-{s}" for q, s in valid_pairs()}
+def test_pair_options_are_exactly_the_valid_pairs():
+    """The ablation sweep's options (``+pair: glob(*)``) as Hydra lists them: no file and no
+    option beyond the valid pairings."""
+    register_configs()
+    assert not (CONF / "pair").exists()
+    with initialize_config_module(config_module="crtn.conf", version_base="1.3"):
+        options = set(GlobalHydra.instance().config_loader().get_group_options("pair"))
+    assert options == {f"{q}-{s}" for q, s in valid_pairs()}
+    sweep = OmegaConf.create((CONF / "experiment" / "ablation_query.yaml").read_text())
+    assert OmegaConf.to_container(sweep.hydra.sweeper.params) == {"+pair": "glob(*)"}
 
 
 @pytest.mark.parametrize("strategy,summary", valid_pairs(), ids=[f"{q}-{s}" for q, s in valid_pairs()])
-def test_each_pair_file_selects_its_pair(strategy, summary):
-    text = (PAIR_DIR / f"{strategy}-{summary}.yaml").read_text()
-    defaults = OmegaConf.create(text).defaults
-    assert [OmegaConf.to_container(d) for d in defaults] == [
-        {"override /query": strategy},
-        {"override /summary": summary},
-    ]
+def test_each_pair_option_selects_its_pair(strategy, summary):
+    defaults = pair_options()[f"{strategy}-{summary}"]["defaults"]
+    assert defaults == [{"override /query": strategy}, {"override /summary": summary}]
     cfg = composed("train", [f"+pair={strategy}-{summary}"])
     assert (cfg.query.strategy, cfg.summary.name) == (strategy, summary)
 
@@ -119,10 +122,10 @@ def test_default_corpus_is_the_schemas():
     assert c.name == "synthetic" and len(c.splits["train"]) == 2_000_000 and len(c.vocab) == 512
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (PAIR_DIR.parent / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_each_experiment_composes_into_a_valid_model(name):
     cfg = composed("train", [f"+experiment={name}"])
-    validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+    resolve_spec(cfg)
 
 
 def test_recall_long_reaches_its_farthest_copy():
@@ -162,4 +165,4 @@ def test_recall_long_reaches_its_farthest_copy():
 def test_ngram_validation_names_the_key(overrides, needle):
     cfg = composed("train", overrides)
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        validate_model(cfg.model, cfg.cache, cfg.query, cfg.summary)
+        resolve_spec(cfg)

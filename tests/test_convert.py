@@ -42,7 +42,7 @@ from transformers.models.transfo_xl import modeling_transfo_xl
 from crtn.checkpoint import checkpoint_spec as checkpoint_config
 from crtn.checkpoint import load_checkpoint
 from crtn.convert import ConversionError, convert, infer_hparams, read_source, resolve_hparams
-from crtn.model import build_model
+from crtn.model import build_model, resolve_spec
 from crtn.model.adaptive import flip_cluster_order
 
 V, B, L, MEM = 50, 2, 8, 8  # vocabulary, streams, segment length, memory
@@ -294,7 +294,7 @@ def converted(tmp_path_factory):
         root,
     )
     runs["eval"] = popen(
-        "crtn.evaluate",
+        "crtn.eval_app",
         [f"checkpoint={ft / 'model.pt'}", "splits=[test]", "progress=false", f"hydra.run.dir={root / 'ev'}"],
         root,
     )
@@ -562,7 +562,7 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from crtn.trainer import init_from as _init_from
+    from crtn.checkpoint import init_from as _init_from
 
     _, out, _, symbols = converted["text"]
     ckpt = load_checkpoint(out / "model.pt")
@@ -570,12 +570,14 @@ def test_crtn_from_converted_txl_predicts_like_txl_before_training(converted):
     txl = build_model(txl_cfg, len(symbols)).eval()
     txl.load_state_dict(ckpt["model"])
     for query, summary in (("token", "last_state"), ("linear", "linear")):
-        cfg = replace(
-            txl_cfg,
-            model=replace(txl_cfg.model, name="crtn"),
-            cache=replace(txl_cfg.cache, n_slot=0),
-            query=replace(txl_cfg.query, strategy=query),
-            summary=replace(txl_cfg.summary, name=summary),
+        cfg = resolve_spec(
+            replace(
+                txl_cfg,
+                model=replace(txl_cfg.model, name="crtn"),
+                cache=replace(txl_cfg.cache, n_slot=0),
+                query=replace(txl_cfg.query, strategy=query),
+                summary=replace(txl_cfg.summary, name=summary),
+            )
         )
         torch.manual_seed(0)
         crtn = build_model(cfg, len(symbols)).eval()

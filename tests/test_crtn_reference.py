@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from crtn.config import valid_pairs
+from crtn.model import valid_pairs
 from tests.helpers import tiny_model
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 import crtn.data.corpus as corpus_mod
-from crtn.config import DataSpec, schema_node
+from crtn.config import schema_node
 from crtn.data import Batch, Corpus, StreamIterator, Vocab, cache_dir_for, load_corpus
+from crtn.data.spec import DataSpec
 from crtn.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[1]

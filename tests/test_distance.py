@@ -24,8 +24,9 @@ from crtn.analysis.distance import (
     split_occurrences,
     stream_codes,
 )
-from crtn.config import DataSpec, schema_node
+from crtn.config import schema_node
 from crtn.data import load_corpus
+from crtn.data.spec import DataSpec
 from crtn.evaluate import evaluate
 from crtn.report import write_report
 from crtn.report.distance import KINDS

@@ -15,12 +15,12 @@ import torch
 
 from crtn.config import train_config
 from crtn.data import load_corpus
-from crtn.data.mqar import gap_buckets, make_mqar, slot_distances
+from crtn.data.mqar import AnswerSums, format_answers, gap_buckets, make_mqar, slot_distances
+from crtn.data.task import scored_tokens
 from crtn.errors import ConfigError
 from crtn.evaluate import evaluate, format_metrics
-from crtn.measures import AnswerSums, format_answers
 from crtn.model.crtn import dependency_range
-from crtn.objective import chunk_loss, scored_tokens
+from crtn.objective import chunk_loss
 from crtn.train import main as train_main
 from tests.helpers import TINY_RUN, cli, compose_train, run_main, tiny_model
 
@@ -334,7 +334,7 @@ def test_train_and_eval_report_the_answer_metrics(tmp_path):
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("valid_answers_acc" in r for r in recs)
     e = cli(
-        "crtn.evaluate",
+        "crtn.eval_app",
         [
             f"checkpoint={run / 'checkpoints/best.pt'}",
             "splits=[test]",

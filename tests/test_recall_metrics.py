@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from crtn.data.base import Corpus
+from crtn.data.synthetic import RecallTask
 from crtn.data.vocab import Vocab
 from crtn.evaluate import evaluate
 from tests.helpers import tiny_model
@@ -81,6 +82,7 @@ def _corpus(mem_len: int) -> tuple[Corpus, dict[int, str]]:
         labels={"valid": labels},
         repeat_gap={"valid": gaps},
         info={"repeat_skip": 1},
+        task=RecallTask(),
     )
     return corpus, kinds
 

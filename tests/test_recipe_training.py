@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from crtn.checkpoint import load_checkpoint
-from crtn.config import validate_train
+from crtn.config import resolve
 from crtn.distributed import DistributedContext
 from crtn.errors import ConfigError
 from crtn.optim import avg_start_step, param_groups, tar_penalty
@@ -51,7 +51,7 @@ def make_trainer(tmp_path, **overrides) -> Trainer:
     cfg = tiny_cfg(**{**SMALL, **overrides})
     torch.manual_seed(cfg.seed)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, dist=DistributedContext(), device=torch.device("cpu"), run_dir=tmp_path)
+    return Trainer(resolve(cfg), dist=DistributedContext(), device=torch.device("cpu"), run_dir=tmp_path)
 
 
 def batches(trainer: Trainer, n: int):
@@ -191,4 +191,4 @@ def test_max_epoch_stops_at_the_epoch_end(tmp_path):
 )
 def test_bad_values_are_refused(key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate_train(tiny_cfg(**{key: value}))
+        resolve(tiny_cfg(**{key: value}))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crtn.config import validate_train
-from crtn.model import build_model
+from crtn.config import resolve
+from crtn.model import build_model, resolve_spec
 from tests.test_config import composed, flat
 
 #: the authors' runfn.sh, key by key
@@ -55,7 +55,7 @@ def test_recipe_composes_identically_for_crtn_and_txl(recipe, data):
     for m, f in flats.items():
         assert {k: f[k] for k in RECIPE} == RECIPE, m
         assert f["data.name"] == data and f["model.name"] == m
-        validate_train(cfgs[m])
+        resolve(cfgs[m])
     # identical training: only the model's name differs
     assert {k for k in flats["crtn"] if flats["crtn"][k] != flats["txl"][k]} == {"model.name"}
 
@@ -71,7 +71,7 @@ def test_wt2_recipe_is_the_ptb_recipe_on_wt2():
 def test_recipe_builds_and_trains(recipe, data, model):
     cfg = composed("train", [f"+experiment={recipe}", f"model={model}"])
     torch.manual_seed(0)
-    lm = build_model(cfg, VOCAB[data]).train()
+    lm = build_model(resolve_spec(cfg), VOCAB[data]).train()
     assert lm.n_layer == 12 and lm.d_model == 400 and lm.tgt_len == 80
     assert lm.word_emb.emb_layers[0].weight is lm.crit.out_layers[0].weight  # tied
     x = torch.randint(0, VOCAB[data], (1, 81))

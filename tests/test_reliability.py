@@ -374,7 +374,7 @@ def malicious_checkpoint(tmp_path: Path, marker: Path, good: Path) -> Path:
 
 def test_a_pickle_payload_is_refused_everywhere_without_running_it(tmp_path, capfd):
     from crtn.convert import main as convert_main
-    from crtn.evaluate import main as eval_main
+    from crtn.eval_app import main as eval_main
     from crtn.generate import main as generate_main
     from crtn.train import main as train_main
     from tests.helpers import run_main

@@ -2,7 +2,7 @@
 
 Fabricated job directories (files written by hand, numbers known) check every value of
 ``report.csv``; tiny real sweeps through the real entry points (``python -m crtn.train -m``,
-``python -m crtn.evaluate -m``, ``python -m crtn.report``) check that the report reads what
+``python -m crtn.eval_app -m``, ``python -m crtn.report``) check that the report reads what
 crtn-train and crtn-eval actually write, including a job that fails.
 """
 
@@ -426,7 +426,7 @@ def test_eval_sweep_gives_the_cache_extension_table(real_sweep, tmp_path):
     ckpt = real_sweep / "0" / "checkpoints" / "best.pt"
     sweep = tmp_path / "eval"
     args = ["-m", f"checkpoint={ckpt}", "eval.n_slot=8,2,4", "splits=[test]", "progress=false"]
-    p = cli("crtn.evaluate", [*args, f"hydra.sweep.dir={sweep}"], tmp_path)
+    p = cli("crtn.eval_app", [*args, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     p = cli("crtn.report", [str(sweep)], tmp_path)
     assert p.returncode == 0, p.stderr

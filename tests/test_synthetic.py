@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from crtn.config import DataSpec, SyntheticSpec
 from crtn.data import StreamIterator, load_corpus, make_synthetic
+from crtn.data.spec import DataSpec, SyntheticSpec
 from crtn.data.synthetic import copy_roots
 from crtn.errors import ConfigError
 from tests.helpers import TEST_SYNTHETIC

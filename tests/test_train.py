@@ -69,7 +69,7 @@ def test_train_writes_everything_and_eval_reproduces_it(tmp_path):
     # crtn-eval on the best checkpoint gives the valid and test metrics the run reported (the
     # run reuses best.pt's validation from training instead of repeating it)
     e = cli(
-        "crtn.evaluate",
+        "crtn.eval_app",
         [
             f"checkpoint={run / 'checkpoints/best.pt'}",
             "splits=[valid,test]",
@@ -249,13 +249,13 @@ def test_corrupt_or_mismatched_checkpoint_is_refused_and_kept(tmp_path):
     assert p.returncode == 2 and "cannot be read" in p.stderr and str(last) in p.stderr
     assert last.read_bytes() == truncated
     e = cli(
-        "crtn.evaluate", [f"checkpoint={tmp_path / 'nope.pt'}", f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path
+        "crtn.eval_app", [f"checkpoint={tmp_path / 'nope.pt'}", f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path
     )
     assert e.returncode == 2 and "does not exist" in e.stderr and "Traceback" not in e.stderr
 
 
 def test_lr_schedule_hand_computed():
-    from crtn.train import lr_factor
+    from crtn.optim import lr_factor
 
     assert lr_factor(0, "cosine", 4, 104, 0.0) == pytest.approx(0.25)
     assert lr_factor(3, "cosine", 4, 104, 0.0) == pytest.approx(1.0)

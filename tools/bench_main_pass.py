@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from crtn.bench.cases import make_case, model_cfg, step_peak  # noqa: E402
+from crtn.bench.cases import make_case, model_spec, step_peak  # noqa: E402
 from crtn.config import BENCH_SMOKE, BenchSpec, default_summary  # noqa: E402
 from tests.reference import NaiveCRTN  # noqa: E402
 
@@ -44,7 +44,7 @@ def measure(s: BenchSpec, batch: int, tgt_len: int, memory: bool) -> dict:
     """Time the model's main pass and the naive reference over one segment after 6 filling segments."""
     small = replace(s, batch=batch, tgt_len=tgt_len)
     summ = default_summary("token")
-    cfg = model_cfg(small, "crtn", tgt_len, **{"cache.n_slot": 4, "summary.name": summ})
+    cfg = model_spec(small, "crtn", tgt_len, **{"cache.n_slot": 4, "summary.name": summ})
     case = make_case(f"crtn(token/{summ}) main pass", cfg, small, device=torch.device("cpu"), train=False)
     model = case.model.eval()
     L, x_all = model.tgt_len, case.tokens

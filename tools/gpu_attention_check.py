@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from crtn.model import TransformerLM, build_model
+from crtn.model import TransformerLM, build_model, resolve_spec
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 
 PATHS = ("eager", "sdpa", "flex")
@@ -94,11 +94,11 @@ def make_models(name: str, args: argparse.Namespace, device: torch.device) -> di
     )
     cache = CacheSpec(n_slot=args.n_slot, top_k=2)
     torch.manual_seed(0)
-    eager = build_model(Spec(model=model, cache=cache), args.vocab).to(device).train()
+    eager = build_model(resolve_spec(Spec(model=model, cache=cache)), args.vocab).to(device).train()
     out = {"eager": eager}
     for path in PATHS[1:]:
         spec = Spec(model=replace(model, **{path: True}), cache=cache)
-        twin = build_model(spec, args.vocab).to(device).train()
+        twin = build_model(resolve_spec(spec), args.vocab).to(device).train()
         twin.load_state_dict(eager.state_dict())
         out[path] = twin
     return out

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from crtn.config import register_configs, validate_train
+from crtn.config import register_configs, resolve
 from crtn.distributed import DistributedContext
 from crtn.trainer import Trainer
 
@@ -37,7 +37,7 @@ def measure(recipe: str, model: str, steps: int, warmup: int, out: Path) -> dict
     register_configs()
     with initialize_config_module(config_module="crtn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={recipe}", f"model={model}", "train.device=cpu"])
-    validate_train(cfg)
+    resolve(cfg)
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, dist=DistributedContext(), device=torch.device("cpu"), run_dir=Path(tmp))

@@ -61,11 +61,11 @@ from crtn.analysis.recl import (
     relative_gains,
 )
 from crtn.app import given_keys, resolve_device, run_app
-from crtn.checkpoint import checkpoint_spec, load_checkpoint
+from crtn.checkpoint import check_vocab, checkpoint_spec, load_checkpoint
 from crtn.config import EvalSpec
 from crtn.data import load_corpus
 from crtn.errors import ConfigError, DataError, check_choice
-from crtn.evaluate import check_vocab, evaluate
+from crtn.evaluate import evaluate
 from crtn.model import TransformerLM, build_model, evaluation_spec, with_spec
 from crtn.utils import atomic_write_text
 

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from crtn.config import BenchSpec, spec_dict, train_config
-from crtn.model import Spec, TransformerLM, build_model
+from crtn.model import ResolvedSpec, Spec, TransformerLM, build_model, resolve_spec
 
 #: slots filled by real steps before a case's timing; a larger cache gets the rest of its slots
 #: as random states (:func:`fill_cache`: the cost of a step does not depend on what they hold)
@@ -68,6 +68,15 @@ def model_cfg(s: BenchSpec, name: str, mem_len: int, **kw: Any):
     return train_config({**size_overrides(s, mem_len), "model.name": name, **kw})
 
 
+def model_spec(s: BenchSpec, name: str, mem_len: int, **kw: Any) -> ResolvedSpec:
+    """The resolved spec of :func:`model_cfg` (:func:`crtn.model.resolve_spec`), what
+    :func:`make_case` builds.
+
+    Raises:
+        ConfigError: a value or pairing the model's rules refuse."""
+    return resolve_spec(model_cfg(s, name, mem_len, **kw))
+
+
 def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
     """The dotted keys a benchmark model sets over the schema: the standard sizes, and dropout 0."""
     return {
@@ -87,7 +96,7 @@ def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
 def make_case(
     name: str, spec: Any, s: BenchSpec, device: torch.device, train: bool = True, batch: int | None = None
 ) -> Case:
-    """A case of the model ``spec`` describes (a spec or a config node; built with seed 0) with
+    """A case of the model ``spec`` describes (a resolved spec: :func:`crtn.model.resolve_spec`; built with seed 0) with
     vocabulary ``s.vocab``, an Adam optimiser when ``train``, and random token streams of ``batch``
     (default ``s.batch``) rows, long enough to fill its memory and cache and then step on."""
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from crtn.bench.cases import (
     fill_cache,
     free,
     make_case,
-    model_cfg,
+    model_spec,
     row,
     sync,
     time_cases,
@@ -70,10 +70,10 @@ def bench_strategies(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("train", "eval"):
         train = mode == "train"
-        cases = [make_case(f"txl(mem_len={L})", model_cfg(s, "txl", L), s, device=b.device, train=train)]
+        cases = [make_case(f"txl(mem_len={L})", model_spec(s, "txl", L), s, device=b.device, train=train)]
         what = {cases[0].name: f"Transformer-XL, memory {L} (the reference)"}
         for name, measures, kw in strategy_cases(s.strategies):
-            cases.append(make_case(name, model_cfg(s, "crtn", L, **kw), s, device=b.device, train=train))
+            cases.append(make_case(name, model_spec(s, "crtn", L, **kw), s, device=b.device, train=train))
             what[name] = f"{measures}; n_slot={s.n_slot}, top_k={s.top_k}"
         b.log(f"strategies/{mode}: timing {len(cases)} configurations")
         time_cases(cases, b, memory=train)
@@ -88,10 +88,10 @@ def bench_range(b: Bench) -> dict[str, Any]:
     s = b.s
     L, N = s.tgt_len, s.n_slot
     long_mem = L + N * L
-    cases = [make_case(f"txl(mem_len={long_mem})", model_cfg(s, "txl", long_mem), s, device=b.device)]
+    cases = [make_case(f"txl(mem_len={long_mem})", model_spec(s, "txl", long_mem), s, device=b.device)]
     for q in ("token", "last_l"):
         summ = default_summary(q)
-        cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
+        cfg = model_spec(s, "crtn", L, **{"query.strategy": q, "summary.name": summ})
         cases.append(make_case(f"crtn({q}/{summ}, n_slot={N})", cfg, s, device=b.device))
     b.log(f"range: txl(mem_len={long_mem}) against crtn(n_slot={N})")
     time_cases(cases, b)
@@ -112,7 +112,7 @@ def bench_scaling(b: Bench) -> dict[str, Any]:
     for q, summ in SCALING_PAIRS:
         cases = []
         for n in s.slots_scaling:
-            cfg = model_cfg(s, "crtn", L, **{"query.strategy": q, "summary.name": summ, "cache.n_slot": n})
+            cfg = model_spec(s, "crtn", L, **{"query.strategy": q, "summary.name": summ, "cache.n_slot": n})
             cases.append(make_case(f"crtn({q}/{summ}, n_slot={n})", cfg, s, device=b.device))
         b.log(f"scaling {q}/{summ}: n_slot {list(s.slots_scaling)}")
         time_cases(cases, b, memory=False)
@@ -197,7 +197,7 @@ def bench_eval_faiss(b: Bench) -> dict[str, Any]:
             "cache.alpha_norm": "topk",
             "cache.dtype": dtype,
         }
-        cfg = model_cfg(s, "crtn", L, **{"query.strategy": "token", "summary.name": "last_state"}, **extra)
+        cfg = model_spec(s, "crtn", L, **{"query.strategy": "token", "summary.name": "last_state"}, **extra)
         name = f"crtn(token/last_state) eval faiss n_slot={n} ({dtype})"
         case = make_case(name, cfg, s, device=b.device, train=False, batch=1)
         b.log(f"eval faiss: filling {n:,} slots ({dtype})")

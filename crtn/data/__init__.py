@@ -12,10 +12,10 @@ Public API::
 """
 
 from crtn.data.base import Corpus
-from crtn.data.corpus import DEFAULT_DIRS, cache_dir_for, load_corpus
+from crtn.data.corpus import cache_dir_for, load_corpus
 from crtn.data.iterator import Batch, StreamIterator
 from crtn.data.mqar import make_mqar
-from crtn.data.spec import DATASETS, DataSpec, MqarSpec, SyntheticSpec, resolve_data
+from crtn.data.spec import DATASETS, DEFAULT_DIRS, DataSpec, MqarSpec, SyntheticSpec, resolve_data
 from crtn.data.synthetic import MarkovSource, make_synthetic
 from crtn.data.vocab import EOS, UNK, Vocab
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from crtn.data.iterator import StreamIterator
+from crtn.data.task import Task
 from crtn.data.vocab import Vocab
 from crtn.errors import ConfigError
 
@@ -44,9 +45,11 @@ class Corpus:
             token of a copied passage the distance in tokens back to the token it
             copies, 0 elsewhere (to check what retrieval finds); ``mqar``: the
             ``labels`` tensor (an answer copies its stored value). None otherwise.
-        train_on_labels: the training loss is the mean NLL of the target tokens whose label
-            is > 0 only (``mqar`` with ``data.mqar.train_loss=answers``: the answers); False:
-            of every target token. Evaluation always scores every token.
+        task: what training and evaluation ask of the corpus besides the loss
+            (:class:`crtn.data.task.Task`: the tokens the training loss scores, the loss that
+            selects ``best.pt``, the corpus' own metrics); language modelling by default,
+            :class:`crtn.data.synthetic.RecallTask`, :class:`crtn.data.mqar.MqarTask`.
+            Evaluation always scores every token.
     """
 
     name: str
@@ -60,7 +63,7 @@ class Corpus:
     info: dict[str, Any] = field(default_factory=dict)
     source: Any = None
     repeat_gap: dict[str, torch.Tensor] | None = None
-    train_on_labels: bool = False
+    task: Task = field(default_factory=Task)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{s}={len(t):,}" for s, t in self.splits.items())

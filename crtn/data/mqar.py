@@ -46,10 +46,10 @@ document), and in particular consecutive queries need different cached segments.
 
 Labels: ``labels[split]`` (``int32``) holds the gap at each answer token and 0 elsewhere, so
 ``label > 0`` marks the answers; ``repeat_gap[split]`` is the same tensor (an answer copies the
-value ``gap`` tokens back). :class:`crtn.mqar_metrics.AnswerSums` reports loss and accuracy on
+value ``gap`` tokens back). :class:`AnswerSums` (the corpus' task, :class:`MqarTask`) reports loss and accuracy on
 the answers by gap bucket (:func:`gap_buckets`). Training scores every token by default;
-``train_loss="answers"`` sets :attr:`crtn.data.Corpus.train_on_labels`, so that the training loss
-is the mean NLL of the answers only, as Zoology trains MQAR (the other tokens are unpredictable
+``train_loss="answers"`` makes the task's loss mask (:meth:`MqarTask.loss_mask`) the
+answers, so that the training loss is the mean NLL of the answers only, as Zoology trains MQAR (the other tokens are unpredictable
 by construction).
 
 Determinism: :class:`numpy.random.SeedSequence` (``seed``) spawns one stream per split. Each
@@ -58,6 +58,7 @@ split has ``*_tokens`` tokens: whole documents, the last one truncated.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import fields
 from typing import Any
@@ -67,6 +68,7 @@ import torch
 
 from crtn.data.base import SPLITS, Corpus
 from crtn.data.spec import MqarSpec, metric_name
+from crtn.data.task import Task, scored_tokens
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -249,8 +251,8 @@ def make_mqar(cfg: Any = None) -> Corpus:
         ``chance_acc`` (1 / n_values) and ``chance_loss`` (ln n_values, nats), ``n_values``,
         ``gap_buckets`` (:func:`gap_buckets`), ``slot_distances``, ``doc_len`` (with its
         ``<eos>``), and per split (``info["splits"][name]``) token, document and answer counts,
-        the mean gap and the answers per gap bucket; ``train_on_labels`` when ``train_loss`` is
-        ``"answers"``.
+        the mean gap and the answers per gap bucket; ``task``: an :class:`MqarTask` that trains on the answers
+        only when ``train_loss`` is ``"answers"``.
 
     Raises:
         ConfigError: an invalid ``data.mqar.*`` value (named), or a ``doc_len`` too short for
@@ -290,5 +292,182 @@ def make_mqar(cfg: Any = None) -> Corpus:
         labels=gaps,
         repeat_gap=gaps,
         info=info,
-        train_on_labels=c["train_loss"] == "answers",
+        task=MqarTask(answers_only=c["train_loss"] == "answers"),
     )
+
+
+log = logging.getLogger(__name__)
+
+
+# ================================================================== the task: answers
+class MqarTask(Task):
+    """MQAR's task (module docstring); ``answers_only``: ``data.mqar.train_loss=answers``."""
+
+    keys = ("answers",)
+    freq_buckets = False
+
+    def __init__(self, answers_only: bool = False):
+        self.answers_only = answers_only
+
+    def loss_mask(
+        self, label: torch.Tensor | None, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The answers (:func:`crtn.data.task.scored_tokens`) when ``answers_only``, else None."""
+        return scored_tokens(label, device) if self.answers_only else None
+
+    def selection_loss(self, metrics: dict[str, Any]) -> float | None:
+        """``metrics["answers"]["loss"]`` when training scores the answers only (the other tokens
+        are never trained), else ``metrics["loss"]`` (nats). None, with a warning, when training
+        scores the answers and the validation held none of them (its first
+        ``train.eval_max_step`` segments end before the first answer): ``best.pt`` stays as it is."""
+        if not self.answers_only:
+            return metrics["loss"]
+        answers = metrics["answers"]
+        if answers["tokens"] == 0:
+            log.warning(
+                "validation scored no answers (its first train.eval_max_step segments hold none, "
+                "or only answers whose pair lies before the stream's start): best.pt is kept as it is"
+            )
+            return None
+        return answers["loss"]
+
+    def measure(self, corpus: Any, split: str, it: Any, device: torch.device | str) -> AnswerSums:
+        return AnswerSums(corpus, device)
+
+    @classmethod
+    def format(cls, metrics: dict[str, Any]) -> list[str]:
+        return format_answers(metrics)
+
+
+#: ``(nll, correct, count)`` columns of :attr:`AnswerSums.sums`.
+_NLL, _CORRECT, _COUNT = 0, 1, 2
+
+
+class AnswerSums:
+    """Sums over the answers of one pass over an MQAR split (module docstring).
+
+    Args:
+        corpus: the MQAR :class:`crtn.data.Corpus` (``labels``: gap at each answer, 0 elsewhere;
+            ``info["gap_buckets"]``, ``info["n_values"]``).
+        device: where the sums live (the model's device).
+
+    Attributes:
+        sums: ``float64 [n_buckets, 3]``: NLL (nats), correct predictions and count of the
+            answers of each gap bucket.
+        all_tokens: ``float64 [2]``: correct predictions and count over every target.
+        where: ``float64 [4]``: answers whose stored value lay in the memory or the current
+            segment, in a cached slot, in a slot the answer's token retrieved; answers counted.
+        cut: answers whose stored value lies before their stream's start.
+    """
+
+    def __init__(self, corpus: Any, device: torch.device | str):
+        buckets = corpus.info["gap_buckets"]
+        self.bucket_names = [f"{lo}-{hi}" for lo, hi in buckets]
+        self.inner_edges = torch.tensor([lo for lo, _ in buckets[1:]], dtype=torch.long, device=device)
+        self.n_values = int(corpus.info["n_values"])
+        self.sums = torch.zeros(len(buckets), 3, dtype=torch.float64, device=device)
+        self.all_tokens = torch.zeros(2, dtype=torch.float64, device=device)
+        self.where = torch.zeros(4, dtype=torch.float64, device=device)
+        self.cut = torch.zeros((), dtype=torch.float64, device=device)
+        self.has_cache = False
+
+    def add(self, model: Any, batch: Any, out: Any, state: Any) -> None:
+        """Add one segment: ``batch`` (a :class:`crtn.data.Batch` with labels), the model's output
+        ``out`` (``nll`` [B, L'], ``hidden``, ``selection``) and the state after it (its cache as
+        read during this step)."""
+        pred = model.crit.log_prob(out.hidden).argmax(-1)
+        t0 = batch.index * model.tgt_len
+        answer, src = self.update(batch.label, batch.target, out.nll, pred=pred, t0=t0)
+        self.has_cache = self.has_cache or bool(getattr(model, "has_cache", False))
+        cache = getattr(state, "cache", None)
+        self.locate(answer, src, t0, mem_len=model.mem_len, cache=cache, selection=out.selection)
+
+    def update(
+        self, label: torch.Tensor, target: torch.Tensor, nll: torch.Tensor, pred: torch.Tensor, t0: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the losses and predictions of one segment.
+
+        Args:
+            label: ``[B, L']`` gap of each target token (0: not an answer).
+            target, pred: ``[B, L']`` token ids: the targets and the model's argmax predictions.
+            nll: ``[B, L']`` NLL of the targets, nats.
+            t0: stream position of the segment's first input token (``index * tgt_len``).
+
+        Returns:
+            ``(answer, src)``: ``[B, L']`` bool, the answers counted (stored value inside the
+            stream), and the stream position of each target's stored value (``t0 + j + 1 - gap``).
+        """
+        correct = (pred == target).double()
+        self.all_tokens[0] += correct.sum()
+        self.all_tokens[1] += correct.numel()
+        gap = label.long()
+        src = t0 + 1 + torch.arange(gap.shape[1], device=gap.device)[None, :] - gap
+        answer = (gap > 0) & (src >= 0)
+        self.cut += ((gap > 0) & (src < 0)).sum()
+        bucket = torch.bucketize(gap[answer], self.inner_edges, right=True)
+        rows = torch.stack([nll[answer].double(), correct[answer], torch.ones_like(correct[answer])], 1)
+        self.sums.index_add_(0, bucket, rows)
+        return answer, src
+
+    def locate(
+        self, answer: torch.Tensor, src: torch.Tensor, t0: int, mem_len: int, cache: Any, selection: Any
+    ) -> None:
+        """Count where the stored values of the ``answer`` targets lay (positions ``src``, [B, L']):
+        within the memory or the current segment (``src >= t0 - min(mem_len, t0)``), in a valid
+        slot of ``cache`` (a :class:`crtn.model.cache.SegmentCache` or None: ``pos``,
+        ``n_valid``, ``seg_len``), in one of the slots ``selection`` retrieved for that target
+        (``age`` [B, L', k]; None: none retrieved)."""
+        in_memory = src >= t0 - min(mem_len, t0)
+        zero = torch.zeros((), dtype=torch.long, device=src.device)
+        cached, hit = zero, zero
+        if cache is not None and cache.n_valid > 0:
+            seg, s = cache.seg_len, src[..., None]
+            slot_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
+            cached = (((slot_pos <= s) & (s < slot_pos + seg)).any(-1) & answer).sum()
+            if selection is not None:
+                sel_pos = t0 - selection.age  # [B, L', k] stream position of each selected slot
+                hit = (((sel_pos <= s) & (s < sel_pos + seg)).any(-1) & answer).sum()
+        self.where += torch.stack([(in_memory & answer).sum(), cached, hit, answer.sum()]).double()
+
+    def metrics(self, corpus: Any = None, split: str | None = None) -> dict[str, Any]:
+        """``{"acc": accuracy on all tokens, "answers": {...}}``: the answers' ``tokens``, ``loss``
+        (nats), ``ppl``, ``acc``, ``chance_acc`` (1 / n_values), ``chance_loss`` (ln n_values),
+        ``cut``, ``by_gap`` (per bucket ``tokens``, ``loss``, ``acc``), ``pair_in_memory``, and
+        for a model with a cache ``pair_in_cache`` and ``pair_retrieved`` (fractions of the
+        answers; see :meth:`locate`). ``corpus`` and ``split`` are unused (the signature of
+        :meth:`crtn.data.task.Task.measure`'s sums)."""
+        correct, count = self.all_tokens.tolist()
+        result: dict[str, Any] = {"acc": correct / count if count else None}
+        nll, right, n = self.sums.sum(0).tolist()
+        entry: dict[str, Any] = {"tokens": int(n)}
+        if n > 0:
+            entry.update(loss=nll / n, ppl=math.exp(min(nll / n, 700.0)), acc=right / n)
+        entry.update(chance_acc=1.0 / self.n_values, chance_loss=math.log(self.n_values), cut=int(self.cut))
+        entry["by_gap"] = {}
+        for name, (b_nll, b_right, b_n) in zip(self.bucket_names, self.sums.tolist()):
+            e: dict[str, Any] = {"tokens": int(b_n)}
+            if b_n > 0:
+                e.update(loss=b_nll / b_n, acc=b_right / b_n)
+            entry["by_gap"][name] = e
+        mem, cached, hit, located = self.where.tolist()
+        if located > 0:
+            entry["pair_in_memory"] = mem / located
+            if self.has_cache:
+                entry.update(pair_in_cache=cached / located, pair_retrieved=hit / located)
+        result["answers"] = entry
+        return result
+
+
+def format_answers(m: dict[str, Any]) -> list[str]:
+    """Parts of :func:`crtn.evaluate.format_metrics`'s line for the MQAR metrics of ``m`` (none
+    without them): ``acc 0.412 | answers ppl 3.10 acc 0.650 (chance 0.002; by gap 1024-2047
+    0.700, ...), pair retrieved 0.91``."""
+    a = m.get("answers")
+    if not a or "acc" not in a:
+        return []
+    gaps = ", ".join(f"{k} {e['acc']:.3f}" for k, e in a["by_gap"].items() if "acc" in e)
+    where = f", pair retrieved {a['pair_retrieved']:.2f}" if "pair_retrieved" in a else ""
+    return [
+        f"acc {m['acc']:.3f}",
+        f"answers ppl {a['ppl']:.2f} acc {a['acc']:.3f} (chance {a['chance_acc']:.3f}; by gap {gaps}){where}",
+    ]

@@ -30,6 +30,7 @@ import torch
 
 from crtn.data.base import SPLITS, Corpus
 from crtn.data.spec import SyntheticSpec, metric_name
+from crtn.data.task import Task
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -302,6 +303,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         source_nll={s: torch.from_numpy(gen[s]["nll"].astype(np.float32)) for s in SPLITS},
         info=info,
         source=source,
+        task=RecallTask(),
     )
 
 
@@ -317,3 +319,139 @@ def copy_roots(gap: torch.Tensor) -> torch.Tensor:
         if torch.equal(nxt, root):
             return root
         root = nxt
+
+
+# ================================================================== the task: passage recall
+class RecallTask(Task):
+    """The passage-recall corpus' task: its evaluation keeps :class:`RecallSums`."""
+
+    keys = ("repeat", "fresh")
+    freq_buckets = False
+
+    def measure(self, corpus: Any, split: str, it: Any, device: torch.device | str) -> RecallSums:
+        return RecallSums(corpus, split, it, device)
+
+    @classmethod
+    def format(cls, metrics: dict[str, Any]) -> list[str]:
+        """``repeat ppl 1.10 acc 0.970, source ppl 1.05, retrieved 0.91 (or a copy 0.95) | fresh ...``."""
+        parts = []
+        for k in cls.keys:
+            e = metrics.get(k)
+            if e and "ppl" in e:
+                src = f", source ppl {e['source_ppl']:.2f}" if "source_ppl" in e else ""
+                hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
+                if "copy_retrieved" in e:
+                    hit += f" (or a copy {e['copy_retrieved']:.2f})"
+                parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
+        return parts
+
+
+class RecallSums:
+    """Passage-recall sums over a split of the synthetic corpus (docs/method.md §4): NLL, correct predictions
+    and count on ``repeat`` and ``fresh`` tokens, and where the copied source of repeat tokens lay."""
+
+    def __init__(self, corpus: Any, split: str, it: Any, device: torch.device | str):
+        self.eos = corpus.vocab.eos_idx
+        self.sums = {k: torch.zeros(3, dtype=torch.float64, device=device) for k in ("repeat", "fresh")}
+        self.skip = corpus.info.get("repeat_skip", 0)
+        self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
+        self.root_all = None if self.gap_all is None else copy_roots(self.gap_all)
+        self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
+        # repeat tokens: source in memory, cached, retrieved; all
+        self.where = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def add(self, model: Any, batch: Any, out: Any, state: Any) -> None:
+        label = batch.label
+        correct = (model.crit.log_prob(out.hidden).argmax(-1) == batch.target).double()
+        masks = {"repeat": label > self.skip, "fresh": (label == 0) & (batch.target != self.eos)}
+        for k, m in masks.items():
+            m = m.double()
+            self.sums[k] += torch.stack([(out.nll.double() * m).sum(), (correct * m).sum(), m.sum()])
+        if self.gap_all is not None:
+            self.where += source_location(
+                out,
+                state,
+                batch,
+                gap_all=self.gap_all,
+                root_all=self.root_all,
+                row_base=self.row_base,
+                repeat=masks["repeat"],
+                model=model,
+            )
+
+    def metrics(self, corpus: Any, split: str) -> dict[str, Any]:
+        """``{"repeat": {...}, "fresh": {...}}``: tokens, loss, ppl, acc, the source's ppl, where the source lay."""
+        src = corpus.source_nll[split] if corpus.source_nll is not None else None
+        labels_all = corpus.labels[split].long()
+        target_all = corpus.splits[split]
+        result: dict[str, Any] = {}
+        for k in ("repeat", "fresh"):
+            s_nll, s_acc, n = self.sums[k].tolist()
+            entry: dict[str, Any] = {"tokens": int(n)}
+            if n > 0:
+                entry.update(loss=s_nll / n, ppl=math.exp(min(s_nll / n, 700.0)), acc=s_acc / n)
+            if src is not None:
+                m = labels_all > self.skip if k == "repeat" else (labels_all == 0) & (target_all != self.eos)
+                m = m & torch.isfinite(src)
+                if m.any():
+                    entry["source_ppl"] = math.exp(src[m].double().mean().item())
+            result[k] = entry
+        if self.gap_all is not None and self.where[3] > 0:
+            mem, cached, hit, n, chain = self.where.tolist()
+            result["repeat"]["source_in_memory"] = mem / n
+            result["repeat"]["source_in_cache"] = cached / n
+            result["repeat"]["source_retrieved"] = hit / n
+            result["repeat"]["copy_retrieved"] = chain / n
+        return result
+
+
+def source_location(
+    out: Any,
+    state: Any,
+    batch: Any,
+    gap_all: torch.Tensor,
+    root_all: torch.Tensor,
+    row_base: torch.Tensor,
+    repeat: torch.Tensor,
+    model: Any,
+) -> torch.Tensor:
+    """Where the token that each repeated target copies lies, for the passage-recall corpus.
+
+    Returns [5] counts over ``repeat`` targets: source within the memory or current
+    segment (reachable without retrieval), source in a cached slot, source in one of the
+    token's retrieved slots, all repeat targets, and targets for which a retrieved slot
+    holds *the same text*: the source or any other copy of the same original passage
+    (the source's own source, or another copy made from it; ``root_all``, see
+    :func:`copy_roots`). A passage copied more than once appears several times in a
+    large cache, and any occurrence lets the model copy. Positions are per-stream (docs/method.md §4).
+    """
+    L = batch.input.shape[1]
+    t0 = batch.index * model.tgt_len
+    j = torch.arange(L, device=repeat.device)
+    gap = gap_all[row_base + t0 + j + 1].long()  # [B, L] gap of each target token
+    src = (t0 + j + 1)[None, :] - gap  # stream position of the copied token
+    in_memory = src >= t0 - min(model.mem_len, t0)  # memory as read during this step
+    counts = [(in_memory & repeat).sum()]
+    cache = state.cache
+    if cache is not None and cache.n_valid > 0 and out.selection is not None:
+        seg = cache.seg_len
+        valid_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
+        # the cache as it was read during this step: renewal is committed at the next step
+        cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
+        pos = t0 - out.selection.age  # [B, L, k]
+        hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+        counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
+        # the same text: a row of a selected slot with the source's root
+        flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
+        want = root_all[flat_src.clamp(min=0)]
+        rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
+            max=root_all.numel() - 1
+        )  # [B, L, k, seg] split index of each row of the selected slots
+        # a direct hit is one of these: the source row has the source's root
+        same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
+        chain = (same & repeat).sum()
+    else:
+        counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
+        chain = torch.zeros((), device=repeat.device, dtype=torch.long)
+    counts += [repeat.sum(), chain]
+    return torch.stack(counts).double()

@@ -17,9 +17,10 @@ Models are registered in :data:`MODELS` by their config name (``model.name``); e
 states its capabilities (``has_memory``, ``has_cache``) and resolves its own options
 (``resolve``), so nothing outside this package needs to know model names.
 
-A model is built from a resolved :class:`Spec` (:func:`resolve_spec`: every derived default
-filled, every rule checked by the class that owns it); evaluation-time lengths and cache sizes
-make another spec (:func:`evaluation_spec`) and another model object sharing the same
+A model is built from a :class:`ResolvedSpec` (:func:`resolve_spec`: every derived default
+filled, every rule checked by the class that owns it), and from nothing else: the builders check
+it (:func:`crtn.model.spec.require_resolved`, TypeError). Evaluation-time lengths and cache sizes
+make another resolved spec (:func:`evaluation_spec`) and another model object sharing the same
 parameters (:func:`with_spec`), never a change to a built model.
 """
 
@@ -33,7 +34,18 @@ from crtn.model.cache import SegmentCache, Selection
 from crtn.model.crtn import CRTN, CRTNState, dependency_range
 from crtn.model.query import STRATEGIES, QueryStrategy, valid_pairs, valid_summaries
 from crtn.model.retrieval_stats import RetrievalStats
-from crtn.model.spec import CacheSpec, ModelSpec, QuerySpec, Spec, SummarySpec, model_specs
+from crtn.model.spec import (
+    CacheSpec,
+    ModelSpec,
+    QuerySpec,
+    Resolved,
+    ResolvedSpec,
+    Spec,
+    SummarySpec,
+    minting,
+    model_specs,
+    require_resolved,
+)
 from crtn.model.summary import SUMMARIES, Summary
 from crtn.model.transformer import LMOutput, State, TransformerLM, VanillaLM
 
@@ -46,6 +58,8 @@ __all__ = [
     "ModelSpec",
     "QuerySpec",
     "QueryStrategy",
+    "Resolved",
+    "ResolvedSpec",
     "RetrievalStats",
     "STRATEGIES",
     "SUMMARIES",
@@ -62,10 +76,10 @@ __all__ = [
     "drop_unread",
     "evaluation_spec",
     "model_class",
+    "require_resolved",
     "resolve_spec",
     "valid_pairs",
     "valid_summaries",
-    "validate_model",
     "with_spec",
 ]
 
@@ -83,8 +97,8 @@ def model_class(name: str) -> type[TransformerLM]:
     return MODELS[name]
 
 
-def resolve_spec(source: Any) -> Spec:
-    """The resolved :class:`Spec` of ``source`` (an object with ``model``, ``cache``, ``query`` and
+def resolve_spec(source: Any) -> ResolvedSpec:
+    """The :class:`ResolvedSpec` of ``source`` (an object with ``model``, ``cache``, ``query`` and
     ``summary`` attributes: a run spec, a :class:`Spec`, a composed config node): derived defaults
     filled and every rule checked, by the registered model class (:meth:`TransformerLM.resolve`,
     :meth:`crtn.model.crtn.CRTN.resolve`, which asks the cache, the strategy and the summary).
@@ -94,7 +108,9 @@ def resolve_spec(source: Any) -> Spec:
         ConfigError: one line naming the offending key and value.
     """
     spec = model_specs(source)
-    return model_class(spec.model.name).resolve(spec)
+    done = model_class(spec.model.name).resolve(spec)
+    with minting():
+        return ResolvedSpec(model=done.model, cache=done.cache, query=done.query, summary=done.summary)
 
 
 def drop_unread(summary: dict[str, Any] | None, query: dict[str, Any] | None) -> None:
@@ -116,22 +132,7 @@ def drop_unread(summary: dict[str, Any] | None, query: dict[str, Any] | None) ->
             del query[key]
 
 
-def validate_model(model: Any, cache: Any = None, query: Any = None, summary: Any = None) -> None:
-    """Check a model's options before any work starts (:func:`resolve_spec` of the four groups;
-    ``cache``, ``query`` and ``summary`` may be omitted for models without a cache).
-
-    Raises:
-        ConfigError: one line naming the offending key and value.
-    """
-    cls = model_class(model.name)
-    if cls.has_cache and (cache is None or query is None or summary is None):
-        raise ConfigError(f"model.name={model.name} needs the cache, query and summary config nodes")
-    parts = {"model": model, "cache": cache, "query": query, "summary": summary}
-    defaults = Spec()
-    resolve_spec(Spec(**{k: defaults.__dict__[k] if v is None else v for k, v in parts.items()}))
-
-
-def evaluation_spec(spec: Spec, ev: Any) -> Spec:
+def evaluation_spec(spec: Resolved, ev: Any) -> ResolvedSpec:
     """The spec of evaluation-time settings (docs/method.md §5): ``ev`` (an object with the fields
     of :class:`crtn.config.EvalSpec`) replaces ``tgt_len``, ``mem_len``, ``clamp_len``,
     ``same_length`` and, for models with a cache, ``n_slot`` and ``top_k`` where it is not None;
@@ -139,11 +140,12 @@ def evaluation_spec(spec: Spec, ev: Any) -> Spec:
     so one setting serves every model of a sweep.
 
     Raises:
+        TypeError: ``spec`` is not resolved (:func:`crtn.model.spec.require_resolved`).
         ConfigError: a new ``tgt_len`` for a summary or strategy whose weights are built for the
             trained one; any rule of :func:`resolve_spec` the new values break (named ``eval.*``
             where the value came from ``ev``).
     """
-    spec = resolve_spec(spec)
+    spec = require_resolved(spec, "evaluation_spec").spec
     cls = model_class(spec.model.name)
     lengths = {k: getattr(ev, k, None) for k in ("tgt_len", "mem_len", "clamp_len", "same_length")}
     if not cls.has_memory:
@@ -176,30 +178,32 @@ def evaluation_spec(spec: Spec, ev: Any) -> Spec:
         raise ConfigError(message) from None
 
 
-def build_model(spec: Any, n_token: int) -> TransformerLM:
-    """Build the model a spec describes (resolved first, :func:`resolve_spec`).
+def build_model(spec: Resolved, n_token: int) -> TransformerLM:
+    """Build the model a resolved spec describes.
 
     Args:
-        spec: an object with ``model``, ``cache``, ``query`` and ``summary`` (a run spec, a
-            :class:`Spec`, or a checkpoint's stored spec loaded by ``crtn.checkpoint``).
+        spec: a :class:`Resolved` spec: a :class:`ResolvedSpec` (:func:`resolve_spec`,
+            :func:`evaluation_spec`) or a resolved run spec (:func:`crtn.config.resolve`, a
+            checkpoint's: :func:`crtn.checkpoint.checkpoint_spec`).
         n_token: vocabulary size.
 
     Raises:
-        ConfigError: invalid values or pairings.
+        TypeError: ``spec`` is not resolved (:func:`crtn.model.spec.require_resolved`).
     """
-    resolved = resolve_spec(spec)
+    resolved = require_resolved(spec, "build_model").spec
     return model_class(resolved.model.name)(n_token, resolved)
 
 
-def with_spec(model: TransformerLM, spec: Any) -> TransformerLM:
+def with_spec(model: TransformerLM, spec: Resolved) -> TransformerLM:
     """``model``'s parameters (the very same Parameter objects, so later updates show) in a model
-    built for ``spec`` (e.g. :func:`evaluation_spec`), on the same device, in the same mode.
-    Returns ``model`` itself when the resolved spec is its own.
+    built for the resolved ``spec`` (e.g. :func:`evaluation_spec`), on the same device, in the
+    same mode. Returns ``model`` itself when the spec is its own.
 
     Raises:
-        ConfigError: invalid values; RuntimeError: a spec whose parameters differ (another size).
+        TypeError: ``spec`` is not resolved (:func:`crtn.model.spec.require_resolved`).
+        RuntimeError: a spec whose parameters differ (another size).
     """
-    resolved = resolve_spec(spec)
+    resolved = require_resolved(spec, "with_spec").spec
     if resolved == model.spec:
         return model
     twin = build_model(resolved, model.n_token)

@@ -33,7 +33,7 @@ from crtn.model.query import STRATEGIES, QueryInputs
 from crtn.model.retrieved import CacheContext, RealPositions
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 from crtn.model.summary import SUMMARIES
-from crtn.model.transformer import LMOutput, State, TransformerLM, _nbytes, _to
+from crtn.model.transformer import LMOutput, State, TransformerLM, tensor_nbytes, to_device
 
 
 def dependency_range(mem_len: int, n_slot: int, tgt_len: int) -> int:
@@ -67,7 +67,7 @@ class CRTNState(State):
     def nbytes(self) -> int:
         cache = self.cache
         stored = (None, None, None) if cache is None else (cache.values, cache.keys, cache.kv)
-        return super().nbytes() + _nbytes(self.r_prev, *stored)
+        return super().nbytes() + tensor_nbytes(self.r_prev, *stored)
 
 
 class CRTN(TransformerLM):
@@ -186,7 +186,10 @@ class CRTN(TransformerLM):
     def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> CRTNState:
         """Rebuild a :class:`CRTNState` from :meth:`CRTNState.state_dict` on ``device``."""
         state = super().load_state(sd, batch_size, device)
-        state.r_prev, state.prev_tokens = _to(sd.get("r_prev"), device), _to(sd.get("prev_tokens"), device)
+        state.r_prev, state.prev_tokens = (
+            to_device(sd.get("r_prev"), device),
+            to_device(sd.get("prev_tokens"), device),
+        )
         if state.cache is not None and sd.get("cache") is not None:
             state.cache.load_state_dict(sd["cache"])
             state.cache.to(device)

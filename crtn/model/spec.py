@@ -20,7 +20,9 @@ would be ignored is never accepted silently.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -153,6 +155,75 @@ class Spec:
     cache: CacheSpec = field(default_factory=CacheSpec)
     query: QuerySpec = field(default_factory=QuerySpec)
     summary: SummarySpec = field(default_factory=SummarySpec)
+
+
+#: set while a resolve step makes its resolved object (:func:`minting`); nothing else may make one
+_MINTING: ContextVar[bool] = ContextVar("crtn_minting_resolved", default=False)
+
+
+@contextmanager
+def minting() -> Iterator[None]:
+    """The context in which a resolve step (:func:`crtn.model.resolve_spec`,
+    :func:`crtn.config.resolve`) makes its :class:`Resolved` object; made outside it (e.g. by
+    ``dataclasses.replace`` on a resolved spec), the object is of the unresolved base class."""
+    token = _MINTING.set(True)
+    try:
+        yield
+    finally:
+        _MINTING.reset(token)
+
+
+class Resolved:
+    """Marker of a resolved spec: every derived default filled, every rule checked by the part
+    that owns it. The builders (:func:`crtn.model.build_model`, :func:`crtn.model.with_spec`,
+    :func:`crtn.model.evaluation_spec`, the benchmark) take nothing else
+    (:func:`require_resolved`). ``spec``: the four model groups as a :class:`ResolvedSpec`.
+
+    Only a resolve step makes one (:func:`minting`): ``dataclasses.replace`` on a resolved spec
+    gives an instance of the unresolved base class (the new values are unchecked), which the
+    builders refuse and the resolve steps accept.
+    """
+
+    _unresolved: type  # the base class an instance made outside a resolve step becomes
+
+    @property
+    def spec(self) -> ResolvedSpec:
+        raise NotImplementedError
+
+    def _demote_unless_minted(self) -> None:
+        if not _MINTING.get():
+            object.__setattr__(self, "__class__", self._unresolved)
+
+
+@dataclass(frozen=True)
+class ResolvedSpec(Spec, Resolved):
+    """A :class:`Spec` made by :func:`crtn.model.resolve_spec`: what a model is built from and
+    what it keeps as ``model.spec``."""
+
+    _unresolved = Spec
+
+    def __post_init__(self) -> None:
+        self._demote_unless_minted()
+
+    @property
+    def spec(self) -> ResolvedSpec:
+        return self
+
+
+def require_resolved(spec: Any, where: str, cls: type = Resolved) -> Any:
+    """``spec`` itself, checked to be resolved: an instance of ``cls``, :class:`Resolved` (a
+    resolved model spec or run spec) by default; the one check of every builder.
+
+    Raises:
+        TypeError: ``spec`` is not (a config node, a :class:`Spec`, a run spec that was not
+            resolved or was changed after it), naming ``where`` it was passed.
+    """
+    if not isinstance(spec, cls):
+        raise TypeError(
+            f"{where} takes a resolved spec ({cls.__name__}: crtn.model.resolve_spec or "
+            f"crtn.config.resolve), not {type(spec).__name__}"
+        )
+    return spec
 
 
 def spec_of(cls: type, node: Any) -> Any:

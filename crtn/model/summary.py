@@ -324,7 +324,7 @@ class Conv(Summary):
     flattened to d. Output o of a channel reads d/H consecutive samples from o L - padding
     on, i.e. parts of one or two rows near row o L / (d/H): a strided subsampling of the
     segment, not a pooling. It needs H <= L and an output length of exactly d/H
-    (:func:`conv_out_len`), which ``validate_model`` checks.
+    (:func:`conv_out_len`), which ``resolve_spec`` checks.
 
     """
 

@@ -26,16 +26,12 @@ from torch import Tensor, nn
 
 from crtn.errors import ConfigError
 from crtn.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, tie_adaptive_weights
-from crtn.model.attention import (
-    CacheContext,
-    PositionalEmbedding,
-    RealPositions,
-    RelPartialLearnableDecoderLayer,
-)
+from crtn.model.attention import PositionalEmbedding, RelPartialLearnableDecoderLayer
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
 from crtn.model.evalkv import keep_last
 from crtn.model.flex import block_mask, check_options
+from crtn.model.retrieved import CacheContext, RealPositions
 from crtn.model.spec import MEM_LEN_DEFAULT, Spec
 
 
@@ -68,10 +64,11 @@ class State:
 
     def nbytes(self) -> int:
         """Bytes held by the state's hidden-state tensors (memory; CRTN: also R_prev and the cache)."""
-        return _nbytes(self.mem, *(self.mem_kv or ()))
+        return tensor_nbytes(self.mem, *(self.mem_kv or ()))
 
 
-def _nbytes(*tensors: Tensor | None) -> int:
+def tensor_nbytes(*tensors: Tensor | None) -> int:
+    """Bytes held by ``tensors`` (None entries count 0): ``numel * element_size`` summed."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -266,7 +263,7 @@ class TransformerLM(nn.Module):
     def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> State:
         """Rebuild a :class:`State` from :meth:`State.state_dict` on ``device``."""
         state = self.init_state(batch_size, device)
-        state.mem, state.pos = _to(sd["mem"], device), sd["pos"]
+        state.mem, state.pos = to_device(sd["mem"], device), sd["pos"]
         kept = sd.get("mem_kv")
         state.mem_kv = None if kept is None else [t.to(device) for t in kept]
         return state
@@ -471,5 +468,6 @@ class VanillaLM(TransformerLM):
     has_memory = False
 
 
-def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+def to_device(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    """``t`` on ``device`` (a saved state's tensor); None stays None."""
     return None if t is None else t.to(device)

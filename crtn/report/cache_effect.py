@@ -37,7 +37,7 @@ from typing import Any
 from crtn.analysis.distance import BUCKETS
 from crtn.report.distance import KINDS, bucket_loss, file_part, group_rows
 from crtn.report.jobs import Job
-from crtn.report.plots import _figure, _legend, _legend_layout, _suptitle
+from crtn.report.plots import figure, legend, legend_layout, suptitle
 
 #: the eval-time cache size of the reference evaluation: an empty cache
 EMPTY = 0
@@ -140,8 +140,8 @@ def plot_cache_effect(rows: list[dict[str, Any]], path: Path, title: str) -> boo
     series = list(dict.fromkeys((r["checkpoint"], r["split"], r["n_slot"]) for r in rows))
     many = len({s[0] for s in series}) > 1
     labels = [f"{Path(c).parent.parent.name + ', ' if many else ''}n_slot={n} ({s})" for c, s, n in series]
-    ncol, extra = _legend_layout(labels, 13)
-    fig = _figure(13, 5.4 + extra)
+    ncol, extra = legend_layout(labels, 13)
+    fig = figure(13, 5.4 + extra)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, (kind, heading) in zip(axes, KINDS.items()):
         for key, lab in zip(series, labels):
@@ -158,8 +158,8 @@ def plot_cache_effect(rows: list[dict[str, Any]], path: Path, title: str) -> boo
         ax.set_title(heading, fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("mean NLL with the cache minus with an empty cache (nats)")
-    _suptitle(fig, f"What the cache contributes (same weights), {rows[0]['corpus']}: {title}")
-    _legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
+    suptitle(fig, f"What the cache contributes (same weights), {rows[0]['corpus']}: {title}")
+    legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
     fig.savefig(path)
     return True
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from crtn.analysis.distance import BUCKET_RANGES, BUCKETS
 from crtn.report.jobs import Job, split_override
-from crtn.report.plots import _figure, _legend, _legend_layout, _suptitle
+from crtn.report.plots import figure, legend, legend_layout, suptitle
 from crtn.report.tables import SEED_KEY, groups_apart
 
 KINDS = {
@@ -252,8 +252,8 @@ def plot_distance_nll(
     if not series:
         return False
     labels = [f"{j.label} ({job_model(j)})" for j, _ in series]
-    ncol, extra = _legend_layout(labels, 13)
-    fig = _figure(13, 5.4 + extra)
+    ncol, extra = legend_layout(labels, 13)
+    fig = figure(13, 5.4 + extra)
     axes = fig.subplots(1, 2, sharey=True)
     far = len(BUCKETS) - 0.4  # the first-occurrence bucket, apart from the distances
     for ax, (kind, heading) in zip(axes, KINDS.items()):
@@ -275,12 +275,12 @@ def plot_distance_nll(
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("mean NLL (nats), lower is better")
     split = "/".join(sorted({str(db.get("split")) for _, db in series}))
-    _suptitle(
+    suptitle(
         fig,
         f"Loss by distance to the previous occurrence, {corpus} ({split} split); dashed: reach m + N·L + L, "
         f"dotted: n_layer·m + L: {title}",
     )
-    _legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
+    legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
     fig.savefig(path)
     return True
 
@@ -300,8 +300,8 @@ def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> b
         f"{lab} ({next(r['seeds'] for r in rows if r['configuration'] == c)} seeds)"
         for lab, c in zip(labels, confs)
     ]
-    ncol, extra = _legend_layout(labels, 13)
-    fig = _figure(13, 5.4 + extra)
+    ncol, extra = legend_layout(labels, 13)
+    fig = figure(13, 5.4 + extra)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, (kind, heading) in zip(axes, KINDS.items()):
         for i, (conf, lab) in enumerate(zip(confs, labels)):
@@ -326,10 +326,10 @@ def plot_distance_seeds(rows: list[dict[str, Any]], path: Path, title: str) -> b
         ax.set_title(heading, fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel(f"mean NLL minus {BASELINE}'s (nats), +-2 standard errors")
-    _suptitle(
+    suptitle(
         fig, f"Loss by distance across seeds, {corpus}: minus {BASELINE} ({rows[0]['baseline']}): {title}"
     )
-    _legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
+    legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
     fig.savefig(path)
     return True
 

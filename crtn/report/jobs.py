@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from crtn.config import data_level, metric_name
+from crtn.data.spec import data_level, metric_name
 from crtn.errors import UserError
 
 JOB_FILES = (".hydra/config.yaml", "status.json", "results.json", "eval.json", "metrics.jsonl")

@@ -7,12 +7,12 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from crtn.config import dependency_range
+from crtn.model import dependency_range
 from crtn.report.jobs import METRIC_LABEL, Job, fmt_metric, read_yaml, short
 from crtn.report.tables import eval_sort_key, metrics_of
 
 
-def _figure(w: float, h: float):
+def figure(w: float, h: float):
     """A matplotlib Figure on the Agg canvas (no pyplot: no global state, no display needed)."""
     from matplotlib.figure import Figure
 
@@ -35,13 +35,13 @@ def _status_suffix(j: Job) -> str:
     return "" if j.status == "done" else f" ({j.status.split(':')[0]})"
 
 
-def _suptitle(fig, text: str) -> None:
+def suptitle(fig, text: str) -> None:
     """Figure title, wrapped to the figure width."""
     width = int(fig.get_figwidth() * 11)
     fig.suptitle(textwrap.fill(text, width), fontsize=11)
 
 
-def _legend_layout(labels: list[str], width: float) -> tuple[int, float]:
+def legend_layout(labels: list[str], width: float) -> tuple[int, float]:
     """(columns, extra figure height in inches) of a legend below the plots; (0, 0) for a few
     entries, which go inside the axes. Columns are as many as fit the figure width."""
     if len(labels) <= 6:
@@ -51,7 +51,7 @@ def _legend_layout(labels: list[str], width: float) -> tuple[int, float]:
     return ncol, 0.2 + 0.19 * math.ceil(len(labels) / ncol)
 
 
-def _legend(fig, ax, ncol: int) -> None:
+def legend(fig, ax, ncol: int) -> None:
     """Legend inside the axes (``ncol`` 0) or in ``ncol`` columns below the plots (``ax`` may then
     be a list of axes whose entries are merged)."""
     handles, labels = [], []
@@ -122,8 +122,8 @@ def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str,
     unit, div = (
         ("s", 1.0) if max_elapsed < 120 else ("min", 60.0) if max_elapsed < 3 * 3600 else ("h", 3600.0)
     )
-    ncol, extra = _legend_layout([j.label + _status_suffix(j) for j in jobs], 12)
-    fig = _figure(12, 4.6 * len(metrics) + extra)
+    ncol, extra = legend_layout([j.label + _status_suffix(j) for j in jobs], 12)
+    fig = figure(12, 4.6 * len(metrics) + extra)
     axes = fig.subplots(len(metrics), 2, squeeze=False)
     steps = sorted(
         {r["step"] for j in jobs for r in j.metrics if f"valid_{j.metric}" in r and _is_num(r.get("step"))}
@@ -153,12 +153,12 @@ def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str,
                 ax.set_xlabel(f"elapsed training time ({unit}, evaluation included)")
             ax.grid(True, which="both", alpha=0.3)
             ax.set_title(f"valid {m} vs " + ("step" if col == 0 else "time"), fontsize=10)
-    _suptitle(fig, f"Validation {' / '.join(metrics)} during training (lower is better): {title}")
+    suptitle(fig, f"Validation {' / '.join(metrics)} during training (lower is better): {title}")
     if ncol == 0:
         for row in axes:
-            _legend(fig, row[0], 0)
+            legend(fig, row[0], 0)
     else:
-        _legend(fig, axes[:, 0].tolist(), ncol)
+        legend(fig, axes[:, 0].tolist(), ncol)
     fig.savefig(path)
     return True
 
@@ -170,7 +170,7 @@ def plot_test_bars(jobs: list[Job], path: Path, title: str, colors: dict[str, An
         return False
     metrics = metrics_of([j for j in jobs if j.results])
     panels = [(m, [j for j in jobs if j.metric == m]) for m in metrics]
-    fig = _figure(10, 1.0 + sum(0.9 + 0.42 * len(shown) for _, shown in panels))
+    fig = figure(10, 1.0 + sum(0.9 + 0.42 * len(shown) for _, shown in panels))
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=[0.9 + 0.42 * len(s) for _, s in panels])
     for ax, (m, shown) in zip(axes[:, 0], panels):
         vals = [((j.results or {}).get("test") or {}).get(m) for j in shown]
@@ -189,7 +189,7 @@ def plot_test_bars(jobs: list[Job], path: Path, title: str, colors: dict[str, An
         ax.set_xlim(0, top * 1.18)
         ax.set_xlabel(f"test {METRIC_LABEL[m]}, lower is better")
         ax.grid(True, axis="x", alpha=0.3)
-    _suptitle(fig, f"Final test {' / '.join(metrics)} per job (best checkpoint by validation): {title}")
+    suptitle(fig, f"Final test {' / '.join(metrics)} per job (best checkpoint by validation): {title}")
     fig.savefig(path)
     return True
 
@@ -208,8 +208,8 @@ def plot_distance_hist(jobs: list[Job], path: Path, title: str, colors: dict[str
     labels = [
         j.label + (f" (mean {m:,.0f} tokens)" if isinstance(m, (int, float)) else "") for j, _, _, m in series
     ]
-    ncol, extra = _legend_layout(labels, 10)
-    fig = _figure(10, 5.2 + extra)
+    ncol, extra = legend_layout(labels, 10)
+    fig = figure(10, 5.2 + extra)
     ax = fig.subplots()
     for (j, hist, seg, _), lab in zip(series, labels):
         total = sum(hist)
@@ -223,8 +223,8 @@ def plot_distance_hist(jobs: list[Job], path: Path, title: str, colors: dict[str
     ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
     ax.grid(True, alpha=0.3)
     splits = "/".join(sorted({str(j.final_split()) for j, *_ in series}))
-    _suptitle(fig, f"CRTN retrieval: distance of the selected cache segments ({splits} split): {title}")
-    _legend(fig, ax, ncol)
+    suptitle(fig, f"CRTN retrieval: distance of the selected cache segments ({splits} split): {title}")
+    legend(fig, ax, ncol)
     fig.savefig(path)
     return True
 
@@ -241,8 +241,8 @@ def plot_freq_buckets(jobs: list[Job], path: Path, title: str, colors: dict[str,
     n = len(series)
     width = 0.8 / n
     fig_w = min(16, max(8, 1.5 + len(buckets) * (0.6 + 0.4 * n)))
-    ncol, extra = _legend_layout([j.label for j, _ in series], fig_w)
-    fig = _figure(fig_w, 5.2 + extra)
+    ncol, extra = legend_layout([j.label for j, _ in series], fig_w)
+    fig = figure(fig_w, 5.2 + extra)
     ax = fig.subplots()
     values = []
     for i, (j, fb) in enumerate(series):
@@ -275,8 +275,8 @@ def plot_freq_buckets(jobs: list[Job], path: Path, title: str, colors: dict[str,
     splits = "/".join(sorted({str(j.final_split()) for j, _ in series}))
     ax.set_ylabel(f"{splits} perplexity" + (" (log scale)" if log_y else "") + ", lower is better")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    _suptitle(fig, f"Perplexity by word frequency ({splits} split): {title}")
-    _legend(fig, ax, ncol)
+    suptitle(fig, f"Perplexity by word frequency ({splits} split): {title}")
+    legend(fig, ax, ncol)
     fig.savefig(path)
     return True
 
@@ -292,7 +292,7 @@ def plot_recall(jobs: list[Job], path: Path, title: str) -> bool:
     if not series:
         return False
     n = len(series)
-    fig = _figure(min(16, max(10, 2.0 + 1.4 * n)), 6.0 if n <= 4 else 7.5)
+    fig = figure(min(16, max(10, 2.0 + 1.4 * n)), 6.0 if n <= 4 else 7.5)
     ax_p, ax_a = fig.subplots(1, 2)
     ppl_values = _recall_bars(ax_p, ax_a, series)
     few = n <= 4
@@ -319,7 +319,7 @@ def plot_recall(jobs: list[Job], path: Path, title: str) -> bool:
             labels.append(lab)
     fig.legend(handles, labels, fontsize=9, loc="outside lower center", ncol=3, frameon=False)
     splits = "/".join(sorted({str(j.final_split()) for j, _ in series}))
-    _suptitle(fig, f"Passage recall ({splits} split): {title}")
+    suptitle(fig, f"Passage recall ({splits} split): {title}")
     fig.savefig(path)
     return True
 
@@ -396,7 +396,7 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
         key = (fin.get("top_k"), fin.get("tgt_len"), fin.get("mem_len"), (j.eval or {}).get("checkpoint"))
         groups.setdefault(key, []).append(j)
     cmap = matplotlib.colormaps["tab10"]
-    fig = _figure(9, 5.4 * len(metrics))
+    fig = figure(9, 5.4 * len(metrics))
     axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
     ckpts = {k[3] for k in groups}
     all_n = sorted({(j.final() or {})["n_slot"] for j in jobs})
@@ -449,7 +449,7 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
             h2, l2 = right.get_legend_handles_labels()
             handles, labels = handles + h2, labels + l2
         ax.legend(handles, labels, fontsize=8, loc="best")
-    _suptitle(fig, f"Eval-time cache extension ({split} split): {title}")
+    suptitle(fig, f"Eval-time cache extension ({split} split): {title}")
     fig.savefig(path)
     return True
 

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from crtn.config import dependency_range, uses_cache
+from crtn.config import uses_cache
+from crtn.model import dependency_range
 from crtn.report.jobs import Job, duration, split_override
 
 TRAIN_HEAD = ["job", "status", "model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len"]
