@@ -219,9 +219,11 @@ def budget_markdown(jobs: list[Job]) -> list[str]:
 
 
 def plot_budget(
-    members: list[Job], budget: float, m: str, path: Path, title: str, colors: dict[str, Any]
+    members: list[Job], path: Path, *, budget: float, metric: str, title: str, colors: dict[str, Any]
 ) -> bool:
-    """One group's figure (module docstring); False when no job has a validation."""
+    """One group's figure (module docstring): the jobs of one :func:`budget_groups` group, their
+    shared ``budget`` (seconds) and ``metric``; False when no job has a validation."""
+    m = metric
     shown = [j for j in members if validations(j, m)]
     if not shown:
         return False
@@ -272,7 +274,14 @@ def budget_plots(jobs: list[Job], title: str, colors: dict[str, Any]) -> list[tu
     out = []
     for (budget, m), members in groups.items():
         name = "equal_budget.png" if len(groups) == 1 else f"equal_budget_{budget:g}_{m}.png"
-        out.append((name, lambda p, g=members, b=budget, mm=m: plot_budget(g, b, mm, p, title, colors)))
+        out.append(
+            (
+                name,
+                lambda p, g=members, b=budget, mm=m: plot_budget(
+                    g, p, budget=b, metric=mm, title=title, colors=colors
+                ),
+            )
+        )
     return out
 
 
