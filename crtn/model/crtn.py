@@ -19,7 +19,6 @@ Transformer-XL.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -98,7 +97,7 @@ class CRTN(TransformerLM):
         # keys and queries at layer 0 are the embeddings before dropout, so that in training a
         # token's own n-gram matches its cached copy exactly (docs/method.md §3, "Keys and
         # queries at layer 0"); layer 0 still reads the dropped-out embedding
-        self.clean_layer0 = self.key_layer == 0 and c.enabled and os.environ.get("CRTN_KEY_DROPOUT") != "1"
+        self.clean_layer0 = self.key_layer == 0 and c.enabled
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
         self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach

@@ -331,7 +331,9 @@ class TransformerLM(nn.Module):
         Returns:
             (hids, out): hids = the states [B, L, d] at the input of layer ``start`` and at the
             output of each layer run (all n+1 by default); out = the last of them, after the
-            final dropout when the top layer ran.
+            final dropout when the top layer ran. With ``clean_layer0`` (CRTN,
+            ``cache.key_layer=0``) hids[0] is the embedding before dropout, while layer 0 reads the
+            dropped-out one (docs/method.md §3, "Keys and queries at layer 0").
         """
         start, end = (0, self.n_layer) if layers is None else layers
         L = tokens.shape[1]
