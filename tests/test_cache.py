@@ -12,6 +12,7 @@ from crtn.model import RetrievalStats, evaluation_spec, with_spec
 from crtn.model.cache import SegmentCache
 from crtn.model.summary import make_summary
 from tests.helpers import tiny_model
+from tests.reference import naive_ngram_score
 
 V = 11
 
@@ -329,3 +330,50 @@ def test_cosine_token_max_scores_a_token_s_own_row_highest_by_hand():
     # [B, N, 1, d]: slot 0 has no predecessor, slot 1's is the token, twice as long
     lead = torch.tensor([[[[0.0, 0.0]], [[2.0, 0.0]]]])
     torch.testing.assert_close(shifted.score(q, rows, lead=lead), torch.tensor([[[0.0, 1.0]]]))
+
+
+def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropout():
+    """cache.key_layer=0 with cosine scores in train mode with dropout: the query pass and the
+    cached rows hold the embedding before dropout (docs/method.md §3, "Keys and queries at layer
+    0"), so the segment X seen again scores exactly 1 against X's own slot at every token whose
+    n-gram and following row lie inside it. The scores the model computes must equal a naive
+    float64 n-gram cosine over the plain embeddings word_emb(tokens), one term at a time."""
+    torch.manual_seed(0)
+    w, L, n_voc = 3, 6, 50
+    model = tiny_model(
+        n_voc,
+        **{
+            "model.name": "crtn",
+            "model.tgt_len": L,
+            "model.mem_len": L,
+            "model.dropout": 0.3,
+            "model.dropemb": 0.2,
+            "cache.n_slot": 2,
+            "cache.key_layer": 0,
+            "cache.top_k": 1,
+            "cache.alpha_norm": "topk",
+            "summary.name": "token_max",
+            "summary.ngram": w,
+            "summary.shift": 1,
+            "summary.cosine": True,
+        },
+    ).train()
+    x, y, z = (torch.randint(0, n_voc, (2, L)) for _ in range(3))
+    seen = []
+    score = model.summary.score
+    model.summary.score = lambda *a, **k: seen.append(score(*a, **k)) or seen[-1]
+    state = None
+    for seg in (x, y, z, x):  # X leaves the memory into slot 0 after Y, Y into slot 1 after Z
+        state = model(seg, None, state).state
+    got = seen[-1]  # [B, L, 2] at the second X
+    emb = model.word_emb
+    with torch.no_grad():
+        for b in range(2):
+            qs = list(emb(z[b : b + 1])[0]) + list(emb(x[b : b + 1])[0])  # R_prev then R_cur, [L] each
+            slots = [(emb(x[b : b + 1])[0], None), (emb(y[b : b + 1])[0], emb(x[b : b + 1])[0])]
+            for j in range(L):
+                for s, (rows, lead) in enumerate(slots):
+                    want = naive_ngram_score(model.summary, qs, j, rows, lead)
+                    torch.testing.assert_close(got[b, j, s], want, rtol=0, atol=1e-12)
+    own = got[:, w - 1 : L - 1, 0]  # the n-gram and the row after it inside X
+    torch.testing.assert_close(own, torch.ones_like(own), rtol=0, atol=1e-12)

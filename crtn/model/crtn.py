@@ -94,6 +94,10 @@ class CRTN(TransformerLM):
         self.retrieve_from = m.n_layer - c.layers
         # the hidden layer (0: embeddings .. n: top) of keys and queries; None for query=gate
         self.key_layer = c.key_layer
+        # keys and queries at layer 0 are the embeddings before dropout, so that in training a
+        # token's own n-gram matches its cached copy exactly (docs/method.md §3, "Keys and
+        # queries at layer 0"); layer 0 still reads the dropped-out embedding
+        self.clean_layer0 = self.key_layer == 0 and c.enabled
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
         self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach

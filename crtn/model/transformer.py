@@ -12,7 +12,9 @@ layers here already accept retrieved segments (``core(cache=...)``), so all thre
 models run the same code.
 
 Hidden states are kept at layers 0..n: layer 0 is the (dropped-out) embedding, layer
-i the output of layer i, as in the Transformer-XL release's ``hids``.
+i the output of layer i, as in the Transformer-XL release's ``hids``. CRTN with keys and
+queries at layer 0 (``cache.key_layer=0``) keeps the embedding before dropout as layer 0
+(``clean_layer0``; docs/method.md §3, "Keys and queries at layer 0").
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class TransformerLM(nn.Module):
     #: keep projected keys and values of memory (and cache) rows at evaluation (evalkv.py);
     #: exact, so on by default; False re-projects them every step (the training path)
     eval_kv = True
+    #: whether the stored layer-0 state (hids[0]: memory, cache slots, a query pass at layer 0) is
+    #: the embedding before dropout; CRTN sets it for keys and queries at layer 0 (``crtn.py``)
+    clean_layer0 = False
 
     def __init__(self, n_token: int, spec: Spec):
         super().__init__()
@@ -336,15 +341,16 @@ class TransformerLM(nn.Module):
         Returns:
             (hids, out): hids = the states [B, L, d] at the input of layer ``start`` and at the
             output of each layer run (all n+1 by default); out = the last of them, after the
-            final dropout when the top layer ran.
+            final dropout when the top layer ran. With ``clean_layer0`` (CRTN,
+            ``cache.key_layer=0``) hids[0] is the embedding before dropout, while layer 0 reads the
+            dropped-out one (docs/method.md §3, "Keys and queries at layer 0").
         """
         start, end = (0, self.n_layer) if layers is None else layers
         L = tokens.shape[1]
-        emb = None
+        emb = raw = None
         if h is None:
-            emb = word_dropout(
-                self.word_emb(tokens), tokens, self.n_token, p=self.dropemb, training=self.training
-            )
+            raw = self.word_emb(tokens)
+            emb = word_dropout(raw, tokens, self.n_token, p=self.dropemb, training=self.training)
         M = 0 if mem is None else mem.shape[2]
         C = cache.k * cache.seg_len if cache is not None and real_pos is None else 0
         mask = self._attn_mask(L, M, tokens.device)
@@ -360,7 +366,9 @@ class TransformerLM(nn.Module):
         pos_emb, real_pos = self._position_embeddings(C + M + L, real_pos, dtype, tokens.device)
         if h is None:
             h = self.drop_inp(emb)
-        hids = [h]
+        # the stored layer-0 state: the dropped-out embedding, or with clean_layer0 the embedding
+        # before (word) dropout, while layer 0 itself reads the dropped-out h
+        hids = [raw if self.clean_layer0 and raw is not None else h]
         r_w = None if self.untie_r else self.r_w_bias
         r_r = None if self.untie_r else self.r_r_bias
         for i in range(start, end):

@@ -46,6 +46,12 @@ Files written (each only when there is something to show):
 - ``distance_seeds.csv`` (a table in ``report.md`` too): the same per configuration of
   ``seeds.csv``, as the mean over its seeds minus the ``txl`` configuration's, with the standard
   error of that difference.
+- ``equal_time.csv``, ``equal_tokens.csv`` and ``equal_budget.png`` (tables in ``report.md`` too):
+  training jobs that share a wall-clock budget (``train.max_time``), compared at equal time (each
+  job's final valid and test metric after the budget) and at equal tokens (each job's validation
+  during training at the largest step every job reached; evaluations that do not line up are
+  said so, not interpolated), and their validation curves against time and against tokens
+  (:mod:`crtn.report.budget`).
 - ``cache_effect.csv`` and ``cache_effect_<corpus>.png`` (a table in ``report.md`` too): where
   ``crtn-eval`` evaluated one checkpoint with an empty cache (``eval.n_slot=0``) and with
   caches of other sizes, the cache's own effect per distance bucket, same weights, and each

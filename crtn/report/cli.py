@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.errors import UserError
+from crtn.report.budget import budget_markdown, budget_plots, equal_time_table, equal_tokens_table
 from crtn.report.cache_effect import cache_effect_markdown, cache_effect_plots, cache_effect_table
 from crtn.report.distance import (
     distance_markdown,
@@ -84,6 +85,8 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
         ("distance_nll.csv", None, distance_table(jobs)[:2]),
         ("distance_seeds.csv", None, distance_seed_table(jobs)),
         ("cache_effect.csv", None, cache_effect_table(jobs)),
+        ("equal_time.csv", None, equal_time_table(jobs)),
+        ("equal_tokens.csv", None, equal_tokens_table(jobs)),
         ("search.csv", "search", search_table(train)),
         ("seeds.csv", "seeds", seed_table(train)),
     ]
@@ -107,6 +110,7 @@ def _write(jobs: list[Job], roots: list[Path], out_dir: Path, plots: bool) -> di
             ("cache_extension.png", lambda p: plot_cache_extension(evals, p, title)),
             *distance_plots(jobs, title, colors),
             *cache_effect_plots(jobs, title),
+            *budget_plots(train, title, colors),
         ]
         for name, make in makers:
             try:
@@ -154,7 +158,15 @@ _CACHE_EFFECT_TEXT = (
 )
 
 
+_BUDGET_TEXT = (
+    "Validation metric during training against elapsed time (dotted: the shared budget, train.max_time) "
+    "and against training tokens (dotted: the last step every job validated at); dashed: jobs that did not finish."
+)
+
+
 def _plot_text(name: str) -> str:
+    if name.startswith("equal_budget"):
+        return _BUDGET_TEXT
     if name.startswith("distance_seeds_"):
         return _DISTANCE_SEEDS_TEXT
     if name.startswith("cache_effect_"):
@@ -222,6 +234,7 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
     lines += distance_markdown(jobs)
     lines += distance_seed_markdown(jobs)
     lines += cache_effect_markdown(jobs)
+    lines += budget_markdown(jobs)
     for name in pngs:
         lines += [f"![{name}]({name})", "", _plot_text(name), ""]
     return "\n".join(lines)
