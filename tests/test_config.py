@@ -144,12 +144,6 @@ def test_recall_long_reaches_its_farthest_copy():
         (["summary.ngram=33"], "summary.ngram=33 must be in 1..model.tgt_len (32)"),
         (["summary.shift=2"], "summary.shift=2 must be 0 or 1"),
         (["summary=mean", "query=last_l", "summary.shift=1"], "summary.shift=1 applies to summary=token_max"),
-        (["summary.shortlist=0"], "summary.shortlist=0 must be >= 1"),
-        (
-            ["summary=mean", "query=last_l", "summary.shortlist=4"],
-            "summary.shortlist=4 applies to summary=token_max",
-        ),
-        (["summary.shortlist=1"], "cache.top_k=2 selects more slots than summary.shortlist=1 keeps"),
         (
             ["summary=mean", "query=last_l", "summary.cosine=true"],
             "summary.cosine=true applies to summary=token_max",

@@ -10,7 +10,7 @@ One step for segment X_t (docs/method.md §3):
    retrieved segments scaled by alpha (``attention.py``);
 4. logits / NLL from the main pass;
 5. renewal: [S; H_t] at every layer; the oldest L positions that no longer fit in S
-   become a new slot, FIFO (or least-used).
+   become a new slot, replacing the oldest (FIFO).
 
 Dependency range m + N L tokens (:func:`dependency_range`) for the attention cost of
 about m + (k+1) L. With ``n_slot = 0`` or ``top_k = 0`` the model is exactly
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.cache import SegmentCache, Selection, resolve_cache
-from crtn.model.evalkv import keep_last, slot_layout
+from crtn.model.evalkv import keep_last
 from crtn.model.gate import Gate, block_keys
 from crtn.model.query import STRATEGIES, QueryInputs
 from crtn.model.retrieved import CacheContext, RealPositions
@@ -66,7 +66,7 @@ class CRTNState(State):
 
     def nbytes(self) -> int:
         cache = self.cache
-        stored = (None, None, None) if cache is None else (cache.values, cache.keys, cache.kv)
+        stored = (None, None) if cache is None else (cache.values, cache.keys)
         return super().nbytes() + _nbytes(self.r_prev, *stored)
 
 
@@ -141,10 +141,6 @@ class CRTN(TransformerLM):
         cache = resolve_cache(spec.cache, summary_cls)
         query = STRATEGIES[spec.query.strategy].resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
-        if summary.shortlist is not None and cache.top_k > summary.shortlist:
-            raise ConfigError(
-                f"cache.top_k={cache.top_k} selects more slots than summary.shortlist={summary.shortlist} keeps"
-            )
         gate = STRATEGIES[query.strategy].in_attention
         if gate:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
@@ -176,15 +172,9 @@ class CRTN(TransformerLM):
             batch_size,
             self.summary,
             key_layer=-1 if self.key_layer is None else self.key_layer - self.retrieve_from,
-            renew=c.renew,
             dtype=c.dtype,
             backend=c.backend,
-            faiss_opts={
-                "index": c.faiss_index,
-                "hnsw_m": c.hnsw_m,
-                "hnsw_ef_search": c.hnsw_ef_search,
-                "hnsw_ef_construction": c.hnsw_ef_construction,
-            },
+            faiss_index=c.faiss_index,
         )
         return CRTNState(cache=cache)
 
@@ -204,7 +194,7 @@ class CRTN(TransformerLM):
         """One CRTN step over a segment of every stream (module docstring, steps 1-5).
 
         Args and returns as :meth:`TransformerLM.forward`; ``update=False`` also leaves the
-        cache untouched (no renewal, no usage counts). ``LMOutput.selection`` holds the
+        cache untouched (no renewal). ``LMOutput.selection`` holds the
         retrieval of this step (None while the cache is empty).
         """
         B, L = tokens.shape
@@ -231,16 +221,12 @@ class CRTN(TransformerLM):
                 state,
                 seg=seg,
                 mem_kv=mem_kv,
-                update=update,
                 shared=None if lower is None else lower[-1],
             )
-        keep_slots = keep and self.spec.cache.eval_kv  # slots' projections too (cache.eval_kv)
         if self.query.in_attention:
-            ctx, real_pos = self._gate_context(
-                cache, t0=state.pos, seg=seg, L=L, keep=keep_slots, update=update
-            )
+            ctx, real_pos = self._gate_context(cache, t0=state.pos, seg=seg, L=L)
         else:
-            ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
+            ctx, real_pos = self._context(cache, selection, seg=seg, L=L)
         if lower is None:
             hids, out = self.core(
                 tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv, kv_out=kv_out
@@ -262,7 +248,7 @@ class CRTN(TransformerLM):
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state, selection)
-        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out, keep_slots=keep_slots)
+        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out)
         new_state = CRTNState(
             mem=new_mem,
             mem_kv=new_kv,
@@ -274,10 +260,10 @@ class CRTN(TransformerLM):
         return LMOutput(nll, out, new_state, selection)
 
     def _context(
-        self, cache: SegmentCache, selection: Selection | None, *, seg: int, L: int, keep: bool
+        self, cache: SegmentCache, selection: Selection | None, *, seg: int, L: int
     ) -> tuple[CacheContext | None, RealPositions | None]:
         """What the main pass reads of the selection (None before the first): the retrieved rows
-        (with their kept keys and values at evaluation) and, for ``cache.pos=real``, their positions."""
+        and, for ``cache.pos=real``, their positions."""
         if selection is None:
             return None, None
         ctx = CacheContext(
@@ -287,7 +273,6 @@ class CRTN(TransformerLM):
             weighted=self.weighted,
             age=selection.age,
             first_layer=self.retrieve_from,
-            kv=cache.fresh_kv() if keep else None,
         )
         real_pos = None
         if self.real_pos:
@@ -297,7 +282,7 @@ class CRTN(TransformerLM):
         return ctx, real_pos
 
     def _gate_context(
-        self, cache: SegmentCache, *, t0: int, seg: int, L: int, keep: bool, update: bool
+        self, cache: SegmentCache, *, t0: int, seg: int, L: int
     ) -> tuple[CacheContext | None, RealPositions | None]:
         """Selection inside attention (``query=gate``, gate.py): a context from which each retrieving
         layer selects its own segments (None while the cache is empty) and, for ``cache.pos=real``,
@@ -310,12 +295,9 @@ class CRTN(TransformerLM):
             self.summary,
             top_k=c.top_k,
             alpha_norm=c.alpha_norm,
-            theta=c.theta,
-            per_head=self.spec.query.per_head,
             detach=self.detach,
             first_layer=self.retrieve_from,
             t0=t0,
-            count=update,
         )
         ctx = CacheContext(
             cache.values,
@@ -323,7 +305,6 @@ class CRTN(TransformerLM):
             None,
             weighted=self.weighted,
             first_layer=self.retrieve_from,
-            kv=cache.fresh_kv() if keep else None,
             gate=gate,
             gate_k=min(c.top_k, cache.n_valid),
         )
@@ -343,7 +324,6 @@ class CRTN(TransformerLM):
         *,
         seg: int,
         mem_kv: list[Tensor] | None,
-        update: bool,
         shared: Tensor | None = None,
     ) -> tuple[Tensor | None, Selection | None]:
         """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection.
@@ -379,8 +359,6 @@ class CRTN(TransformerLM):
                     top_k=c.top_k,
                     alpha_norm=c.alpha_norm,
                     t0=state.pos,
-                    theta=c.theta,
-                    count=update,
                     score_fn=fast,
                 )
         return r_cur, selection
@@ -415,28 +393,23 @@ class CRTN(TransformerLM):
         seg: int,
         L: int,
         kv: list[Tensor] | None = None,
-        keep_slots: bool = False,
     ) -> tuple[Tensor | None, list[Tensor] | None]:
         """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot.
 
-        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot keeps
-        those of the retrieving layers when ``keep_slots`` (``cache.eval_kv``). Returns the new S
+        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]. Returns the new S
         and its keys and values.
         """
         cache = state.cache
         assert cache is not None
         cat, new_mem = self._append(state.mem, hids)
-        cat_kv, new_kv = kv, None if kv is None else keep_last(kv, self.mem_len)
+        new_kv = None if kv is None else keep_last(kv, self.mem_len)
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
             r = self.retrieve_from
             # every layer's states (paper); with cache.layers only those the retrieving layers read
             slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
             key = self.slot_key(slot_states)
-            slot_kv = None
-            if cat_kv is not None and keep_slots:  # [n_kv, 2, B, H, Ls, d_h]
-                slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
-            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
+            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L))
         return new_mem, new_kv
 
     def slot_key(self, stored: Tensor) -> Tensor | None:

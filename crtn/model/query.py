@@ -18,8 +18,8 @@ W_j is L x d and q_j = summary(W_j); indices below are 1-based as in docs/method
 | gate            | none here: each retrieving layer selects with its own attention queries |
 |                 | (selection inside attention, ``gate.py``; no query pass)                |
 
-``query.tanh`` applies tanh to the queries of the strategies with their own weights
-(``linear``, ``single_linear``; the authors' code always does for both).
+``single_linear`` applies tanh to its queries, as the authors' code does; ``linear`` does not
+(the authors' code applies tanh there too; the ablation in docs/results.md ran without it).
 
 All strategies are causal: q_j depends on tokens up to j only, so a partial segment
 (generation) gives the same queries as the full one. ``last_state`` takes "the row of
@@ -178,20 +178,19 @@ class QueryStrategy(nn.Module):
     needs_prev_tokens: bool = False
     needs_prev_states: bool = False
     length_bound: bool = False
-    learned: bool = False  # has weights of its own (query.tanh applies)
     in_attention: bool = False  # selects inside each retrieving layer's attention (no queries here)
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
         super().__init__()
-        self.seg_len, self.tanh = seg_len, tanh
+        self.seg_len = seg_len
 
     @classmethod
     def resolve(cls, spec: QuerySpec, summary: str) -> QuerySpec:
         """Check the strategy's options (nothing to fill): the pairing with ``summary`` (by the
-        strategy's ``kind``, :func:`valid_summaries`) and ``query.tanh`` (strategies with weights).
+        strategy's ``kind``, :func:`valid_summaries`).
 
         Raises:
-            ConfigError: an invalid pairing (listing the valid ones), or tanh without weights.
+            ConfigError: an invalid pairing (listing the valid ones).
         """
         if summary not in valid_summaries(cls.strategy):
             by_kind: dict[str, list[str]] = {}
@@ -201,19 +200,12 @@ class QueryStrategy(nn.Module):
             raise ConfigError(
                 f"query={cls.strategy} cannot be paired with summary={summary}. Valid pairs: {pairs}"
             )
-        if spec.per_head and not cls.in_attention:
-            raise ConfigError(f"query.per_head=true applies to query=gate only, not query={cls.strategy}")
-        if spec.tanh and not cls.learned:
-            learned = "|".join(q for q, c in STRATEGIES.items() if c.learned)
-            raise ConfigError(
-                f"query.tanh=true applies to the strategies with weights ({learned}), not query={cls.strategy}"
-            )
         return spec
 
     @classmethod
     def from_spec(cls, spec: QuerySpec, model: ModelSpec, d_key: int) -> QueryStrategy:
         """The strategy a resolved ``spec`` describes, producing queries of width ``d_key``."""
-        return cls(model.tgt_len, model.d_model, d_key=d_key, tanh=spec.tanh)
+        return cls(model.tgt_len, model.d_model, d_key=d_key)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long."""
@@ -226,8 +218,7 @@ class QueryStrategy(nn.Module):
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
         """Queries [B, L', d_key] (``token``: R_cur itself, [B, L', d])."""
         w, token_row = self.windows(x)
-        q = summary.query(w, token_row)
-        return torch.tanh(q) if self.tanh else q
+        return summary.query(w, token_row)
 
     def _last_row(self, w: Tensor) -> tuple[Tensor, Tensor]:
         return w, torch.full((w.shape[1],), self.seg_len - 1, dtype=torch.long, device=w.device)
@@ -296,10 +287,10 @@ class MiddleL(QueryStrategy):
 class Linear(QueryStrategy):
     """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (docs/method.md §3, Query strategies)."""
 
-    strategy, needs_r_prev, length_bound, learned = "linear", True, True, True
+    strategy, needs_r_prev, length_bound = "linear", True, True
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
+        super().__init__(seg_len, d_model, d_key=d_key)
         self.seq_linear = nn.Linear(2 * seg_len, seg_len)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
@@ -319,21 +310,20 @@ class Token(QueryStrategy):
 
 
 class SingleLinear(QueryStrategy):
-    """q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' ``single_linear``; tanh with ``query.tanh``).
+    """q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' ``single_linear``).
 
     The projection maps the token's top-layer state into the key space of the summary
     (d_key = d for the summaries it pairs with; keys are not projected, as in the authors' code).
     """
 
-    strategy, kind, learned = "single_linear", TOKEN, True
+    strategy, kind = "single_linear", TOKEN
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
+        super().__init__(seg_len, d_model, d_key=d_key)
         self.proj = nn.Linear(d_model, d_key)
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        q = self.proj(_with_lead_in(summary, x))
-        return torch.tanh(q) if self.tanh else q
+        return torch.tanh(self.proj(_with_lead_in(summary, x)))
 
 
 def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
@@ -349,7 +339,7 @@ def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
 
 class Gate(QueryStrategy):
     """Selection inside attention: every retrieving layer scores the cached segments with its own
-    attention queries and selects per head or shared (``crtn/model/gate.py``; MoBA, NSA, landmark
+    attention queries and selects one set of segments shared by the heads (``crtn/model/gate.py``; MoBA, NSA, landmark
     attention). No query pass and no queries here: the CRTN step hands the layers a
     :class:`crtn.model.gate.Gate`."""
 
@@ -378,17 +368,14 @@ def valid_pairs() -> list[tuple[str, str]]:
     return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
 
 
-def make_query(
-    strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False
-) -> QueryStrategy:
+def make_query(strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0) -> QueryStrategy:
     """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`) from plain values.
 
     Args:
-        seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output);
-        tanh: tanh on the queries (``query.tanh``, strategies with ``learned``).
+        seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output).
 
     Raises:
         ConfigError: unknown name.
     """
     check_choice("query.strategy", strategy, STRATEGIES)
-    return STRATEGIES[strategy](seg_len, d_model, d_key=d_key, tanh=tanh)
+    return STRATEGIES[strategy](seg_len, d_model, d_key=d_key)

@@ -154,7 +154,6 @@ class TransformerLM(nn.Module):
                 dropfor=model.dropfor,
                 dropatt_out=model.dropatt_out,
                 locked=model.locked_dropout,
-                sdpa=model.sdpa,
                 flex=model.flex,
             )
             for _ in range(model.n_layer)
@@ -186,7 +185,7 @@ class TransformerLM(nn.Module):
 
         Raises:
             ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs;
-                ``model.flex`` with ``model.sdpa`` or ``model.dropatt > 0``
+                ``model.flex`` with ``model.dropatt > 0``
                 (:func:`crtn.model.flex.check_options`).
         """
         m = spec.model
