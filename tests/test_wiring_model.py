@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import crtn.model.crtn as crtn_module
 import crtn.model.flex as flex_module
+import crtn.model.retriever as retriever_module
 from crtn.model import CRTN, TransformerLM, with_spec
 from crtn.model.dropout import LockedDropout
 from crtn.model.faiss_index import FaissRows
@@ -246,7 +246,9 @@ def check_weighted(ctx: Ctx) -> None:
 def check_pos(ctx: Ctx) -> None:
     for spec, real in ((ctx.on, True), (ctx.off, False)):
         assert build(spec).real_pos is real
-        with mock.patch.object(crtn_module, "RealPositions", wraps=crtn_module.RealPositions) as spy:
+        with mock.patch.object(
+            retriever_module, "RealPositions", wraps=retriever_module.RealPositions
+        ) as spy:
             selections(spec)
         assert spy.called is real
 

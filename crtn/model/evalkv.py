@@ -16,9 +16,32 @@ are folded, docs/method.md §3, "Efficient main pass"; keeping the slots' projec
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+@dataclass
+class StepKV:
+    """The memory's keys and values during one step, as the attention layers use them.
+
+    Attributes:
+        mem: per layer 0..n-1, [B, M, 2 H d_h] keys and values of the memory: those the state kept
+            (evaluation) or projected once for every pass over the memory (CRTN's query pass and
+            main pass); None: each layer projects its memory itself.
+        out: at evaluation, a list that receives each layer's keys and values of [memory; segment]
+            [B, M+L, 2 H d_h] as the layers run (``RelPartialLearnableMultiHeadAttn``); None in
+            training.
+    """
+
+    mem: list[Tensor] | None = None
+    out: list[Tensor] | None = None
+
+    def next_memory(self, mem_len: int) -> list[Tensor] | None:
+        """The keys and values of the next step's memory (:func:`keep_last` of :attr:`out`), or
+        None when this step kept none."""
+        return None if self.out is None else keep_last(self.out, mem_len)
 
 
 def keep_last(cat_kv: list[Tensor], mem_len: int) -> list[Tensor] | None:
