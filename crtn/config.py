@@ -267,15 +267,14 @@ class ReclAppSpec:
 # ================================================================== crtn-bench
 def _table_rows() -> dict[str, list[str]]:
     """The cost table's default rows: txl, the CRTN authors' model, the default CRTN and selection
-    inside attention (``query=gate``: mean-pooled block keys shared by the heads and per head, and
-    the best row of token_max shared), each CRTN also with retrieval in the top 2 layers and in the
+    inside attention (``query=gate``: mean-pooled block keys and the best row of token_max, shared by
+    the heads), each CRTN also with retrieval in the top 2 layers and in the
     top layer only (``cache.layers``)."""
     rows: dict[str, list[str]] = {"txl": ["model=txl"]}
     crtns = {
         "crtn_original": ["model=crtn_original"],
         "default": ["model=crtn"],
         "gate": ["model=crtn", "query=gate"],
-        "gate_per_head": ["model=crtn", "query=gate", "query.per_head=true"],
         "gate_token_max": ["model=crtn", "query=gate", "summary=token_max"],
     }
     for name, options in crtns.items():

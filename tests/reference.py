@@ -188,8 +188,7 @@ def naive_summary(summary, top: Tensor, token_row: int | None) -> Tensor:
     if name == "identity":
         return top.reshape(-1)
     if name == "linear":
-        k = summary.proj.weight @ top.reshape(-1) + summary.proj.bias
-        return torch.tanh(k) if summary.tanh else k
+        return summary.proj.weight @ top.reshape(-1) + summary.proj.bias
     if name == "last_state":
         return top[-1 if token_row is None else token_row]
     if name == "mean":
@@ -304,12 +303,10 @@ class Slot:
     states: Tensor  # [n+1, Ls, d]
     key: Tensor
     pos: int
-    usage: int = 0  # tokens that selected it
-    scored: int = 0  # tokens that scored it
 
 
 def naive_alpha(s: Tensor, top: list[int], norm: str) -> dict[int, Tensor]:
-    """Weights of the selected slots ``top`` from the (theta-scaled) scores s [n] (docs/method.md §3 step 2):
+    """Weights of the selected slots ``top`` from the scores s [n] (docs/method.md §3 step 2):
     ``all``: softmax over all slots; ``topk``: softmax over the selected scores; ``original``:
     k softmax of the selected entries of p = softmax(s) (the authors' code)."""
     if norm == "all":
@@ -325,18 +322,9 @@ def naive_alpha(s: Tensor, top: list[int], norm: str) -> dict[int, Tensor]:
     return dict(zip(top, w))
 
 
-def naive_evict(slots: list[Slot], renew: str) -> int:
-    """Index of the slot to drop: fifo the oldest; least_used the fewest selections;
-    discard_worst the lowest selected/scored ratio (unscored slots kept); ties to the oldest."""
-    if renew == "fifo":
-        return min(range(len(slots)), key=lambda i: slots[i].pos)
-    if renew == "least_used":
-        return min(range(len(slots)), key=lambda i: (slots[i].usage, slots[i].pos))
-
-    def ratio(sl: Slot) -> float:
-        return sl.usage / sl.scored if sl.scored > 0 else math.inf
-
-    return min(range(len(slots)), key=lambda i: (ratio(slots[i]), slots[i].pos))
+def naive_evict(slots: list[Slot]) -> int:
+    """Index of the slot to drop: the oldest (FIFO renewal)."""
+    return min(range(len(slots)), key=lambda i: slots[i].pos)
 
 
 @dataclass
@@ -351,7 +339,7 @@ class NaiveCRTN:
     """The CRTN recurrence of docs/method.md §3 for one stream, written from the definitions.
 
     Uses the model's parameters and its config (strategy, summary, n_slot, top_k,
-    alpha_norm, theta, weighted, pos, renew, query.detach, query.tanh). ``step`` returns the per-token NLL and, per token,
+    alpha_norm, weighted, pos, query.detach). ``step`` returns the per-token NLL and, per token,
     the selected (slot position, alpha) pairs.
     """
 
@@ -380,7 +368,7 @@ class NaiveCRTN:
         return c.key_layer if c.key_layer is not None else (self.first or self.m.n_layer)
 
     def _queries(self, tokens, r_cur, qmem, t0) -> list[Tensor]:
-        """q_j for every token (docs/method.md §3 table; single_linear and query.tanh from the authors' code).
+        """q_j for every token (docs/method.md §3 table; single_linear's tanh from the authors' code).
         ``query.detach``: no gradient into the query pass (R_cur, the fixed_length passes)."""
         m, qc = self.m, self.m.spec.query
         if qc.detach:
@@ -393,11 +381,9 @@ class NaiveCRTN:
             return [r_cur[j] for j in range(r_cur.shape[0])]
         if strategy == "single_linear":
             proj = m.query.proj
-            qs = [proj.weight @ r_cur[j] + proj.bias for j in range(r_cur.shape[0])]
-        else:
-            wins, rows = self._windows(tokens, r_cur, qmem, t0)
-            qs = [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
-        return [torch.tanh(q) for q in qs] if qc.tanh else qs
+            return [torch.tanh(proj.weight @ r_cur[j] + proj.bias) for j in range(r_cur.shape[0])]
+        wins, rows = self._windows(tokens, r_cur, qmem, t0)
+        return [naive_query_summary(m.summary, w, r) for w, r in zip(wins, rows)]
 
     def _windows(self, tokens, r_cur, qmem, t0):
         m, L, st = self.m, self.L, self.row
@@ -445,22 +431,6 @@ class NaiveCRTN:
                 return other.key
         return None
 
-    def _shortlist(self, queries: list[Tensor]) -> set[int]:
-        """token_max's two-stage score (``summary.shortlist`` M, docs/method.md §3 "Two-stage
-        token_max"): the indices of the M slots whose pooled score <q_j, mean_r row_r> / sqrt(d_key)
-        is the best of any token j of the segment (equal scores: the most recent slot), all slots
-        without a shortlist."""
-        summary, slots = self.m.summary, self.row.slots
-        M = getattr(summary, "shortlist", None)
-        if M is None:
-            return set(range(len(slots)))
-        segment = queries[len(queries) - self.L :]  # R_prev's queries lead the n-gram window only
-        best = [
-            max(float(naive_score(summary, q, sl.key.mean(0, keepdim=True)).detach()) for q in segment)
-            for sl in slots
-        ]
-        return set(sorted(range(len(slots)), key=lambda i: (-best[i], -slots[i].pos))[:M])
-
     def step(self, tokens: Tensor, target: Tensor, t0: int):
         m, L, st = self.m, self.L, self.row
         c = m.spec.cache
@@ -483,7 +453,6 @@ class NaiveCRTN:
             queries = self._queries(tokens, r_cur, qmem, t0)
             retrieved = []
             k = min(m.top_k, len(st.slots))
-            keep = self._shortlist(queries)
             for j in range(L):
                 if m.summary.ngram > 1 or m.summary.shift > 0:
                     s = torch.stack(
@@ -491,8 +460,6 @@ class NaiveCRTN:
                     )
                 else:
                     s = torch.stack([naive_score(m.summary, queries[j], sl.key) for sl in st.slots])
-                s = torch.stack([x if i in keep else x.new_tensor(float("-inf")) for i, x in enumerate(s)])
-                s = s * c.theta
                 # the k best; equal scores go to the most recent slot
                 top = sorted(range(len(st.slots)), key=lambda i: (-float(s[i].detach()), -st.slots[i].pos))[
                     :k
@@ -501,10 +468,6 @@ class NaiveCRTN:
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
                 retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])
                 selected[j] = [(st.slots[i].pos, float(alpha[i].detach())) for i in top]
-                for i in top:
-                    st.slots[i].usage += 1
-                for sl in st.slots:
-                    sl.scored += 1
         hs = self._pass(tokens, st.mem, t0, retrieved)
         logp = m.crit.log_prob(F.dropout(hs[-1], 0.0))
         nll = -logp.gather(-1, target[:, None])[:, 0]
@@ -516,7 +479,7 @@ class NaiveCRTN:
             states = torch.stack([x[:over] for x in cat])
             key = naive_key(m.summary, states[self.key_layer]).detach()
             if len(st.slots) == m.n_slot:
-                st.slots.pop(naive_evict(st.slots, c.renew))
+                st.slots.pop(naive_evict(st.slots))
             st.slots.append(Slot(states.detach(), key, t0 - M))
         st.mem = [x[x.shape[0] - m.mem_len :].detach() for x in cat] if m.mem_len > 0 else None
         st.r_prev = r_cur.detach()

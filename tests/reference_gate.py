@@ -4,9 +4,9 @@ Written from the definitions of docs/method.md §3, "Selection inside attention"
 retrieving layer, token j and head h, the gate score of every cached slot is computed from the
 layer's own projections (q_j^h + u^h against W_{k,E}^h x(z) of the slot's rows, with x the
 layer's attention input, LayerNorm'ed for pre-LN), pooled by the block key (mean of the projected
-keys, the last row's key, the best row's score, or the n-gram row match of token_max); shared
-selection sums the heads' scores row by row; the k best slots are each head's (or every head's)
-context before the memory, values scaled by alpha. It shares nothing with ``crtn/model`` but the
+keys, the last row's key, the best row's score, or the n-gram row match of token_max); the heads'
+scores are summed row by row; the k best slots are every head's context before the memory,
+values scaled by alpha. It shares nothing with ``crtn/model`` but the
 parameters, the embedding/softmax modules and the stream bookkeeping of :class:`NaiveCRTN`
 (slots, memory, eviction), and it is slow by design.
 """
@@ -60,7 +60,7 @@ class NaiveGate(NaiveCRTN):
     def _block_score(self, attn, layer: int, queries: list, j: int, slot: Slot, h: int) -> Tensor:
         """Head h's score of token j against ``slot`` before the 1/sqrt(d_h) scale, per row for
         token_max ([Ls]: the n-gram match ending at each row, maximised by the caller after the
-        heads are summed for a shared selection), else one number; ``queries`` the q^h + u^h of
+        heads are summed), else one number; ``queries`` the q^h + u^h of
         the positions [lead-in; segment] for head h."""
         H, dh = attn.n_head, attn.d_head
         w_k = attn.qkv_net.weight[H * dh : 2 * H * dh]
@@ -91,8 +91,8 @@ class NaiveGate(NaiveCRTN):
         return torch.stack(per_row)
 
     def _select(self, attn, layer: int, u: Tensor, h_in: Tensor, mem_rows: Tensor | None, j: int):
-        """Token j's selection at ``layer``: per head (or one for all heads), the sorted
-        (slot, alpha) pairs; updates usage and scoring counts."""
+        """Token j's selection at ``layer``, one for all heads: per head, the same sorted
+        (slot, alpha) pairs."""
         c, qspec = self.m.spec.cache, self.m.spec.query
         H = attn.n_head
         n_lead = self.m.summary.ngram - 1
@@ -104,64 +104,26 @@ class NaiveGate(NaiveCRTN):
                 M = 0 if mem_rows is None else mem_rows.shape[0]
                 positions.append(mem_rows[M + p] if M + p >= 0 else None)
         slots = self.row.slots
-        per_head, head_queries = [], []
+        per_head = []
         for h in range(H):
             queries = [self._head_query(attn, u, row, h) for row in positions]
             if qspec.detach:
                 queries = [q.detach() for q in queries]
-            head_queries.append(queries)
             per_head.append(torch.stack([self._block_score(attn, layer, queries, j, sl, h) for sl in slots]))
         # per_head[h]: [n_slots] (pooled keys) or [n_slots, Ls] (token_max's rows)
-        groups = per_head if qspec.per_head else [sum(per_head)]  # shared: heads summed row by row
+        g = sum(per_head)  # the heads summed row by row
         if self.m.summary.name == "token_max":  # the best row
-            groups = [g.max(-1).values for g in groups]
-        keeps = self._shortlists(attn, layer, head_queries)
+            g = g.max(-1).values
         k = min(c.top_k, len(slots))
-        out = []
-        for g, keep in zip(groups, keeps):
-            g = torch.stack([x if i in keep else x.new_tensor(float("-inf")) for i, x in enumerate(g)])
-            s = g * c.theta / math.sqrt(attn.d_head)
-            top = sorted(range(len(slots)), key=lambda i: (-float(s[i].detach()), -slots[i].pos))[:k]
-            alpha = naive_alpha(s, top, c.alpha_norm)
-            top = sorted(top, key=lambda i: slots[i].pos)
-            out.append([(i, alpha[i]) for i in top])
-            for i in top:
-                slots[i].usage += 1
-            for sl in slots:
-                sl.scored += 1
-        return out if qspec.per_head else out * H
-
-    def _mean_key(self, attn, layer: int, slot: Slot, h: int) -> Tensor:
-        """Head h's mean-pooled key of ``slot``: (1/Ls) sum_r W_{k,E}^h x(z_r) [d_h]."""
-        H, dh = attn.n_head, attn.d_head
-        w_k = attn.qkv_net.weight[H * dh : 2 * H * dh]
-        keys = (self._x(attn, slot.states[layer]) @ w_k.T).view(-1, H, dh)[:, h]
-        return keys.sum(0) / keys.shape[0]
-
-    def _shortlists(self, attn, layer: int, head_queries: list) -> list[set[int]]:
-        """Per head group, the slots token_max's row match may select: with ``summary.shortlist``
-        M, the M slots whose mean-pooled score (summed over the group's heads) is the best of any
-        token of the segment (equal scores: the most recent slot); otherwise all of them."""
-        summ, slots, H = self.m.summary, self.row.slots, attn.n_head
-        n_groups = H if self.m.spec.query.per_head else 1
-        M = getattr(summ, "shortlist", None)
-        if summ.name != "token_max" or M is None:
-            return [set(range(len(slots)))] * n_groups
-        pooled = []  # per head: [L, n_slots]
-        for h, queries in enumerate(head_queries):
-            means = [self._mean_key(attn, layer, sl, h) for sl in slots]
-            segment = queries[len(queries) - self.L :]
-            pooled.append(torch.stack([torch.stack([q @ mk for mk in means]) for q in segment]))
-        groups = pooled if n_groups == H else [sum(pooled)]
-        keeps = []
-        for g in groups:
-            best = [float(x) for x in g.detach().max(0).values]
-            keeps.append(set(sorted(range(len(slots)), key=lambda i: (-best[i], -slots[i].pos))[:M]))
-        return keeps
+        s = g / math.sqrt(attn.d_head)
+        top = sorted(range(len(slots)), key=lambda i: (-float(s[i].detach()), -slots[i].pos))[:k]
+        alpha = naive_alpha(s, top, c.alpha_norm)
+        top = sorted(top, key=lambda i: slots[i].pos)
+        return [[(i, alpha[i]) for i in top]] * H
 
     def gate_segment(self, tokens: Tensor, t0: int) -> tuple[list[Tensor], list]:
         """The main pass of one segment with selection inside attention; returns the states at
-        layers 0..n and, per retrieving layer, every token's per-head selections."""
+        layers 0..n and, per retrieving layer, every token's selection (one per head, the same)."""
         m, st, c = self.m, self.row, self.m.spec.cache
         L, M = tokens.shape[0], 0 if st.mem is None else st.mem[0].shape[0]
         h = m.word_emb(tokens[None])[0]
@@ -214,8 +176,8 @@ class NaiveGate(NaiveCRTN):
 
     def step(self, tokens: Tensor, target: Tensor, t0: int):
         """One segment: NLL [L] and the top retrieving layer's selections, per token the list of
-        (slot stream position, alpha) over every head (head-major), as the model reports them."""
-        m, L, st, c = self.m, self.L, self.row, self.m.spec.cache
+        (slot stream position, alpha), as the model reports them."""
+        m, L, st = self.m, self.L, self.row
         n = m.n_layer
         hs, selections = self.gate_segment(tokens, t0)
         logp = m.crit.log_prob(F.dropout(hs[-1], 0.0))
@@ -224,15 +186,14 @@ class NaiveGate(NaiveCRTN):
         if selections:
             heads = selections[-1]
             for j in range(L):
-                per_head = heads[j] if m.spec.query.per_head else heads[j][:1]
-                reported[j] = [(st.slots[i].pos, float(a.detach())) for sel in per_head for i, a in sel]
+                reported[j] = [(st.slots[i].pos, float(a.detach())) for i, a in heads[j][0]]
         M = 0 if st.mem is None else st.mem[0].shape[0]
         cat = [torch.cat([st.mem[i], hs[i]]) if M else hs[i] for i in range(n + 1)]
         over = M + L - m.mem_len
         if over > 0 and m.n_slot > 0:
             states = torch.stack([x[:over] for x in cat]).detach()
             if len(st.slots) == m.n_slot:
-                st.slots.pop(naive_evict(st.slots, c.renew))
+                st.slots.pop(naive_evict(st.slots))
             st.slots.append(Slot(states, states[n], t0 - M))
         st.mem = [x[x.shape[0] - m.mem_len :].detach() for x in cat] if m.mem_len > 0 else None
         return nll, reported

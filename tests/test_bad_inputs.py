@@ -152,7 +152,7 @@ CASES = [
     Case("wrong type bool", "crtn-train", [*T, "train.resume=maybe"], ["train.resume=maybe"]),
     Case("unknown option", "crtn-train", [*T, "model=nope"], ["model/nope"]),
     Case("tgt_len 0", "crtn-train", [*T, "model.tgt_len=0"], ["model.tgt_len=0"]),
-    Case("theta 0", "crtn-train", [*T, "cache.theta=0"], ["cache.theta=0"]),
+    Case("top_k negative", "crtn-train", [*T, "cache.top_k=-1"], ["cache.top_k=-1"]),
     Case("n_slot negative", "crtn-train", [*T, "cache.n_slot=-1"], ["cache.n_slot=-1"]),
     Case("n_slot with txl", "crtn-train", [*T, "model=txl", "cache.n_slot=4"], ["cache.n_slot=4", "txl"]),
     Case("query/summary pairing", "crtn-train", [*T, "query=token", "summary=identity"], ["identity"]),
@@ -431,8 +431,8 @@ CASES = [
     Case(
         "bench row value",
         "crtn-bench",
-        [*B, "+bench.rows.bad=['cache.theta=0']"],
-        ["bench.rows.bad", "cache.theta=0"],
+        [*B, "+bench.rows.bad=['cache.n_slot=-1']"],
+        ["bench.rows.bad", "cache.n_slot=-1"],
     ),
     Case(
         "bench row group",

@@ -147,21 +147,17 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "gate",
         "gate_layers2",
         "gate_layers1",
-        "gate_per_head",
-        "gate_per_head_layers2",
-        "gate_per_head_layers1",
         "gate_token_max",
         "gate_token_max_layers2",
         "gate_token_max_layers1",
     ]
     spec = {name: r["spec"] for name, r in rows.items()}
-    for name in ("gate", "gate_layers1", "gate_per_head", "gate_per_head_layers2"):
-        q = spec[name]["query"]
-        assert q["strategy"] == "gate" and q["per_head"] == ("per_head" in name)
+    for name in ("gate", "gate_layers1", "gate_token_max", "gate_token_max_layers2"):
+        assert spec[name]["query"]["strategy"] == "gate"
     # model=crtn_original brings its query, summary and cache settings (conf/model/crtn_original.yaml)
     for name in ("crtn_original", "crtn_original_layers2", "crtn_original_layers1"):
         c = spec[name]["cache"]
-        assert (c["alpha_norm"], c["pos"], c["theta"], c["renew"]) == ("original", "real", 1.0, "fifo")
+        assert (c["alpha_norm"], c["pos"]) == ("original", "real")
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "last_state")
     for name in ("default", "default_layers2", "default_layers1"):
         c = spec[name]["cache"]

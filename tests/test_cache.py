@@ -141,17 +141,14 @@ def test_no_gradient_reaches_cached_states_and_detach_stops_only_the_query_pass(
     assert (live[w] - detached[w]).abs().max() > 1e-8
 
 
-@pytest.mark.parametrize("theta", [1.0, 0.3, 4.0])
-def test_torch_and_faiss_select_the_same_slots_and_weights(theta):
-    """The same slots, and the same weights softmax(theta s_topk) whatever the temperature theta
-    (cache.theta: faiss ranks by the unscaled product, the weights take theta)."""
+def test_torch_and_faiss_select_the_same_slots_and_weights():
+    """The same slots, and the same weights softmax(s_topk)."""
     torch.manual_seed(3)
     kw = {
         "model.name": "crtn",
         "cache.n_slot": 4,
         "cache.top_k": 2,
         "cache.alpha_norm": "topk",
-        "cache.theta": theta,
     }
     a = tiny_model(V, double=False, **kw)
     b = tiny_model(V, double=False, **{**kw, "cache.backend": "faiss"})
@@ -177,8 +174,8 @@ def test_hnsw_recall_is_reported():
     rng = np.random.default_rng(0)
     n, d, k = 2000, 32, 4
     summ = make_summary("last_state", 1, d)
-    cache_exact = SegmentCache(n, 1, summ, backend="faiss", faiss_opts={"index": "flat"})
-    cache_hnsw = SegmentCache(n, 1, summ, backend="faiss", faiss_opts={"index": "hnsw", "hnsw_m": 16})
+    cache_exact = SegmentCache(n, 1, summ, backend="faiss", faiss_index="flat")
+    cache_hnsw = SegmentCache(n, 1, summ, backend="faiss", faiss_index="hnsw")
     for i in range(n):
         states = torch.from_numpy(rng.standard_normal((2, 1, 1, d)).astype(np.float32))
         key = states[-1, :, -1]

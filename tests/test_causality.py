@@ -34,12 +34,7 @@ OTHERS = {
         "cache.alpha_norm": "topk",
     },
     "gate_layers_1": {"query.strategy": "gate", "summary.name": "token_max", "cache.layers": 1},
-    "gate_per_head_ngram2": {
-        "query.strategy": "gate",
-        "summary.name": "token_max",
-        "summary.ngram": 2,
-        "query.per_head": True,
-    },
+    "gate_ngram2": {"query.strategy": "gate", "summary.name": "token_max", "summary.ngram": 2},
     "mem0": {"model.mem_len": 0},
     "alpha_original": {"cache.alpha_norm": "original"},
 }

@@ -150,12 +150,6 @@ def test_recall_long_reaches_its_farthest_copy():
             ["summary=mean", "query=last_l", "summary.shift=1"],
             "summary.shift=1 is ignored by summary=mean (only token_max reads it)",
         ),
-        (["summary.shortlist=0"], "summary.shortlist=0 must be >= 1"),
-        (
-            ["summary=mean", "query=last_l", "summary.shortlist=4"],
-            "summary.shortlist=4 is ignored by summary=mean (only token_max reads it)",
-        ),
-        (["summary.shortlist=1"], "cache.top_k=2 selects more slots than summary.shortlist=1 keeps"),
         (
             ["summary=mean", "query=last_l", "summary.cosine=true"],
             "summary.cosine=true is ignored by summary=mean (only token_max reads it)",

@@ -10,7 +10,8 @@ from tests.test_config import composed, flat
 from tests.test_crtn_reference import NEW_OPTIONS, run_both
 
 #: the authors' choices: --query_method single (the token's own state), --summary_method
-#: last_state, alpha as in CRTN/layers/transformer.py with cache_theta 1, values weighted by alpha,
+#: last_state, alpha as in CRTN/layers/transformer.py with cache_theta 1 (the only temperature here),
+#: values weighted by alpha,
 #: real positions (close to their --farnear distances), FIFO renewal
 AUTHORS = {
     "model.name": "crtn",
@@ -18,10 +19,8 @@ AUTHORS = {
     "query.detach": False,
     "summary.name": "last_state",
     "cache.alpha_norm": "original",
-    "cache.theta": 1.0,
     "cache.weighted": True,
     "cache.pos": "real",
-    "cache.renew": "fifo",
 }
 RETRIEVAL = [k for k in AUTHORS if k.split(".")[0] in ("query", "summary", "cache")]
 

@@ -117,18 +117,11 @@ def _d_key(strategy: str, summary: str) -> dict:
 # the authors' options and the retrieval options, values and gradients
 NEW_OPTIONS = {
     "alpha_original": {"cache.alpha_norm": "original"},
-    "alpha_original_theta": {"cache.alpha_norm": "original", "cache.theta": 2.5},
-    "alpha_all_theta": {"cache.theta": 0.3},
-    "alpha_topk_theta": {"cache.alpha_norm": "topk", "cache.theta": 3.0},
-    # 3 slots, k=2: the selected/scored ratios differ (with N = k every slot is always selected: FIFO)
-    "discard_worst": {"cache.renew": "discard_worst", "cache.n_slot": 3},
-    "single_linear_tanh": {
-        "query.strategy": "single_linear",
-        "summary.name": "last_state",
-        "query.tanh": True,
-    },
+    # 3 slots, k=2: eviction while slots compete
+    "n_slot_3": {"cache.n_slot": 3},
+    "single_linear": {"query.strategy": "single_linear", "summary.name": "last_state"},
     "single_linear_token_max": {"query.strategy": "single_linear", "summary.name": "token_max"},
-    "linear_query_tanh": {"query.strategy": "linear", "summary.name": "mean", "query.tanh": True},
+    "linear_query": {"query.strategy": "linear", "summary.name": "mean"},
     "token_max_plain": {"summary.name": "token_max"},
     "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
     "key_layer_1": {"cache.key_layer": 1, "summary.name": "token_max", "summary.d_key": 6},
@@ -146,55 +139,38 @@ NEW_OPTIONS = {
         "summary.name": "token_max",
         "summary.ngram": 3,
     },
-    "ngram_3_discard_worst": {
-        "summary.name": "token_max",
-        "summary.ngram": 3,
-        "cache.renew": "discard_worst",
-        "cache.n_slot": 3,
-    },
+    "ngram_3_n_slot_3": {"summary.name": "token_max", "summary.ngram": 3, "cache.n_slot": 3},
     "ngram_2_layers_1": {"summary.name": "token_max", "summary.ngram": 2, "cache.layers": 1},
     "shift_1_ngram_3": {"summary.name": "token_max", "summary.ngram": 3, "summary.shift": 1},
     "shift_1_ngram_1": {"summary.name": "token_max", "summary.ngram": 1, "summary.shift": 1},
-    "shift_1_ngram_2_proj_discard_worst": {
+    "shift_1_ngram_2_proj": {
         "summary.name": "token_max",
         "summary.ngram": 2,
         "summary.shift": 1,
         "summary.d_key": 6,
-        "cache.renew": "discard_worst",
         # 2 slots: with 3, slots without a cached predecessor tie at score 0 (shift 1: their row 0
         # is scored against zero lead-in rows) and the model and the reference break ties apart
         "cache.n_slot": 2,
     },
-    # token_max's two-stage score: 2 of 3 slots shortlisted by their mean-pooled rows
-    "shortlist_2": {"summary.name": "token_max", "summary.shortlist": 2},
-    "shortlist_1_ngram_1_proj_k1": {
-        "summary.name": "token_max",
-        "summary.shortlist": 1,
-        "summary.ngram": 1,
-        "summary.shift": 0,
-        "summary.d_key": 6,
-        "cache.top_k": 1,
-    },
-    # cosine scores: the embeddings' n-gram match (key_layer 0), the learned maps with a shortlist,
-    # and alpha over all slots at a temperature (the scores no longer divided by sqrt(d_key))
+    # cosine scores: the embeddings' n-gram match (key_layer 0), the learned maps with k = 1, and
+    # alpha over all slots (the scores no longer divided by sqrt(d_key))
     "cosine_ngram_2_shift_1_key_layer_0": {
         "summary.name": "token_max",
         "summary.cosine": True,
         "summary.ngram": 2,
         "summary.shift": 1,
         "cache.key_layer": 0,
-        "cache.n_slot": 2,  # as in shift_1_ngram_2_proj_discard_worst: no tie at a zero lead-in
+        "cache.n_slot": 2,  # as in shift_1_ngram_2_proj: no tie at a zero lead-in
     },
-    "cosine_proj_shortlist_1_k1": {
+    "cosine_proj_k1": {
         "summary.name": "token_max",
         "summary.cosine": True,
         "summary.d_key": 6,
-        "summary.shortlist": 1,
         "summary.ngram": 1,
         "summary.shift": 0,
         "cache.top_k": 1,
     },
-    "cosine_theta": {"summary.name": "token_max", "summary.cosine": True, "cache.theta": 4.0},
+    "cosine": {"summary.name": "token_max", "summary.cosine": True},
     "layers_1": {"cache.layers": 1},
     "layers_1_token_max_real": {"cache.layers": 1, "summary.name": "token_max", "cache.pos": "real"},
     "layers_1_fixed_length_2": {"cache.layers": 1, "query.strategy": "fixed_length_2", "summary.name": "max"},
@@ -224,34 +200,23 @@ NEW_OPTIONS = {
 #: selection inside attention (query=gate), against tests/reference_gate.py
 GATE = {"query.strategy": "gate"}
 GATE_OPTIONS = {
-    "per_head_mean": {**GATE, "summary.name": "mean", "query.per_head": True},
-    "per_head_token_max_ngram3": {
-        **GATE,
-        "summary.name": "token_max",
-        "query.per_head": True,
-        "summary.ngram": 3,
-    },
+    "mean": {**GATE, "summary.name": "mean"},
+    "token_max_ngram3": {**GATE, "summary.name": "token_max", "summary.ngram": 3},
     "shared_token_max_ngram2_real": {
         **GATE,
         "summary.name": "token_max",
         "summary.ngram": 2,
         "cache.pos": "real",
     },
-    "per_head_last_state_real_topk": {
+    "last_state_real_topk": {
         **GATE,
         "summary.name": "last_state",
-        "query.per_head": True,
         "cache.pos": "real",
         "cache.alpha_norm": "topk",
     },
-    "original_theta": {**GATE, "summary.name": "mean", "cache.alpha_norm": "original", "cache.theta": 2.5},
-    "unweighted_per_head": {
-        **GATE,
-        "summary.name": "token_max",
-        "cache.weighted": False,
-        "query.per_head": True,
-    },
-    "pre_ln_per_head_mean": {**GATE, "summary.name": "mean", "query.per_head": True, "model.pre_lnorm": True},
+    "original": {**GATE, "summary.name": "mean", "cache.alpha_norm": "original"},
+    "unweighted": {**GATE, "summary.name": "token_max", "cache.weighted": False},
+    "pre_ln_mean": {**GATE, "summary.name": "mean", "model.pre_lnorm": True},
     "pre_ln_token_max_ngram2": {
         **GATE,
         "summary.name": "token_max",
@@ -259,34 +224,9 @@ GATE_OPTIONS = {
         "model.pre_lnorm": True,
     },
     "layers_1": {**GATE, "summary.name": "token_max", "cache.layers": 1},
-    "shortlist_2_per_head": {
-        **GATE,
-        "summary.name": "token_max",
-        "summary.shortlist": 2,
-        "query.per_head": True,
-    },
-    "shortlist_2_shared_pre_ln_k1": {
-        **GATE,
-        "summary.name": "token_max",
-        "summary.shortlist": 2,
-        "cache.top_k": 1,
-        "model.pre_lnorm": True,
-    },
-    "layers_2_of_3_per_head": {
-        **GATE,
-        "summary.name": "mean",
-        "model.n_layer": 3,
-        "cache.layers": 2,
-        "query.per_head": True,
-    },
-    "least_used": {**GATE, "summary.name": "mean", "cache.renew": "least_used", "cache.n_slot": 3},
-    "discard_worst_per_head": {
-        **GATE,
-        "summary.name": "last_state",
-        "cache.renew": "discard_worst",
-        "cache.n_slot": 3,
-        "query.per_head": True,
-    },
+    "pre_ln_token_max_k1": {**GATE, "summary.name": "token_max", "cache.top_k": 1, "model.pre_lnorm": True},
+    "layers_2_of_3": {**GATE, "summary.name": "mean", "model.n_layer": 3, "cache.layers": 2},
+    "last_state_n_slot_3": {**GATE, "summary.name": "last_state", "cache.n_slot": 3},
     "mem0_ngram3": {**GATE, "summary.name": "token_max", "summary.ngram": 3, "model.mem_len": 0},
     "k_gt_n": {**GATE, "summary.name": "mean", "cache.n_slot": 2, "cache.top_k": 3, "model.mem_len": 6},
     "detach": {**GATE, "summary.name": "token_max", "query.detach": True},
@@ -316,15 +256,14 @@ def test_new_options_match_naive_reference(variant, grad):
     "variant",
     [
         {"cache.alpha_norm": "topk"},
-        {"cache.renew": "least_used"},
         {"model.mem_len": 0},
         {"model.mem_len": 6, "cache.n_slot": 2, "cache.top_k": 3},
         {"model.pre_lnorm": True, "model.untie_r": True},
         {"model.clamp_len": 4, "cache.pos": "real"},
         {"model.clamp_len": 4, "cache.pos": "concat"},
-        {"summary.name": "linear", "summary.tanh": True, "query.strategy": "middle_l"},
+        {"summary.name": "linear", "query.strategy": "middle_l"},
     ],
-    ids=["alpha_topk", "least_used", "mem0", "k_gt_n", "pre_ln_untie", "clamp_real", "clamp_concat", "tanh"],
+    ids=["alpha_topk", "mem0", "k_gt_n", "pre_ln_untie", "clamp_real", "clamp_concat", "linear_summary"],
 )
 def test_variants_match_naive_reference(variant):
     run_both(steps=8, **variant)

@@ -71,12 +71,10 @@ def test_block_keys_are_the_pooled_layer_inputs(summary, pre_lnorm):
         torch.testing.assert_close(cache.keys[:, : cache.n_valid, layer], want, rtol=0, atol=1e-12)
 
 
-def test_each_layer_and_head_selects_on_its_own():
-    """Per head, the heads of a layer pick different slots for some tokens, and the layers
-    differ from each other: the selection is the layer's own, not one shared pass."""
-    model = tiny_model(
-        V, **{**GATE, "summary.name": "mean", "query.per_head": True, "cache.n_slot": 3, "cache.top_k": 1}
-    )
+def test_each_layer_selects_on_its_own():
+    """The layers pick different slots for some tokens: the selection is the layer's own, not one
+    shared pass; the heads of a layer share it."""
+    model = tiny_model(V, **{**GATE, "summary.name": "mean", "cache.n_slot": 3, "cache.top_k": 1})
     seen = []
     real = gate_module.Gate.select
 
@@ -90,10 +88,9 @@ def test_each_layer_and_head_selects_on_its_own():
         _drive(model, 8, seed=3)
     finally:
         gate_module.Gate.select = real
-    assert seen and all(s.shape[2] == model.n_head for s in seen)  # [B, L, H, k]
-    assert any((s[:, :, 0] != s[:, :, 1]).any() for s in seen)  # two heads of a layer disagree somewhere
+    assert seen and all(s.shape[2] == 1 for s in seen)  # [B, L, 1, k]: one selection for the heads
     layer0, layer1 = seen[0::2], seen[1::2]  # the two retrieving layers of each step, in order
-    assert any(not torch.equal(a, b) for a, b in zip(layer0, layer1))  # and so do the layers
+    assert any(not torch.equal(a, b) for a, b in zip(layer0, layer1))  # the layers disagree somewhere
 
 
 @pytest.mark.parametrize(
@@ -115,7 +112,6 @@ def test_each_layer_and_head_selects_on_its_own():
             ["query=gate", "cache.key_layer=2"],
             "cache.key_layer=2 applies to the query strategies, not query=gate",
         ),
-        (["query.per_head=true"], "query.per_head=true is ignored by query=token (only gate reads it)"),
         (["query=gate", "summary=linear"], "query=gate cannot be paired with summary=linear"),
     ],
 )

@@ -24,7 +24,7 @@ MODELS = {
     "crtn_token": {},
     "crtn_linear": {"query.strategy": "linear", "summary.name": "linear", "summary.d_key": 6},
     "crtn_mem0": {"model.mem_len": 0, "query.strategy": "last_l", "summary.name": "mean"},
-    "crtn_gate": {"query.strategy": "gate", "summary.name": "token_max", "query.per_head": True},
+    "crtn_gate": {"query.strategy": "gate", "summary.name": "token_max", "summary.ngram": 2},
 }
 
 

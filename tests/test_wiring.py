@@ -171,12 +171,12 @@ BUILDS = {
     "model=txl_long": ["model=txl_long"],
     "model=crtn_original": ["model=crtn_original"],
     "last_l-identity": ["+pair=last_l-identity"],
-    "linear-linear": ["+pair=linear-linear", "query.tanh=true", "summary.tanh=true"],
+    "linear-linear": ["+pair=linear-linear"],
     "single_linear-weighted_sum": ["+pair=single_linear-weighted_sum"],
     "fixed_length_1-conv": ["+pair=fixed_length_1-conv"],
     "fixed_length_2-sum": ["+pair=fixed_length_2-sum", "cache.layers=1"],
     "middle_l-max": ["+pair=middle_l-max", "cache.backend=faiss", "cache.alpha_norm=topk"],
-    "token_max-d_key": ["summary.d_key=8", "cache.dtype=float16", "cache.eval_kv=true"],
+    "token_max-d_key": ["summary.d_key=8", "cache.dtype=float16"],
 }
 
 

@@ -12,18 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-import crtn.model.crtn as crtn_module
 import crtn.model.flex as flex_module
+import crtn.model.retriever as retriever_module
 from crtn.model import CRTN, TransformerLM, resolve_spec, with_spec
 from crtn.model.dropout import LockedDropout
 from crtn.model.faiss_index import FaissRows
-from crtn.model.query import QueryInputs
 from crtn.model.summary import Mean
 from tests.wiring import Ctx, Wire, build, run_wire, steps, tokens
 
 LAST_STATE = "summary.name=last_state"
 FAISS = ("cache.backend=faiss", "cache.alpha_norm=topk", LAST_STATE)
-HNSW = (*FAISS, "cache.faiss_index=hnsw")
 
 
 def layers_all(ctx: Ctx, test) -> None:
@@ -201,15 +199,6 @@ def check_layer_norm_eps(ctx: Ctx) -> None:
         assert norms and all(m.eps == eps for m in norms)
 
 
-def check_sdpa(ctx: Ctx) -> None:
-    layers_all(ctx, lambda layer: layer.dec_attn.sdpa)
-    real = torch.nn.functional.scaled_dot_product_attention
-    for spec, used in ((ctx.on, True), (ctx.off, False)):
-        with mock.patch("torch.nn.functional.scaled_dot_product_attention", wraps=real) as spy:
-            steps(build(spec).eval(), tokens(1))
-        assert spy.called == used
-
-
 def check_flex(ctx: Ctx) -> None:
     layers_all(ctx, lambda layer: layer.dec_attn.flex)
     for spec, used in ((ctx.on, True), (ctx.off, False)):
@@ -240,41 +229,26 @@ def check_alpha_norm(ctx: Ctx) -> None:
     assert (off < 1 - 1e-4).all()  # all: the k selected of a softmax over every slot
 
 
-def first_log_ratio(model) -> torch.Tensor:
-    """log(alpha_2 / alpha_1) of the first selection of two slots: [B, L]."""
-    alpha = next(s.alpha for s in selections(None, 5, model) if s.alpha.shape[-1] == 2)
-    return (alpha[..., 1] / alpha[..., 0]).log()
-
-
-def check_theta(ctx: Ctx) -> None:
-    """alpha_i / alpha_j = exp(theta (s_i - s_j)) for alpha_norm all and topk (softmax entries), and
-    the scores s do not depend on theta: the log-ratio with theta = 2 is twice the one with 1
-    (the first selection of two slots, when both models have seen the same states). Checked with
-    the torch backend (alpha_norm=all) and with faiss (topk)."""
-    for extra in ((), FAISS):
-        off = build(ctx.spec(*extra, value=False)).eval()
-        on = with_spec(off, ctx.spec(*extra))
-        log_ratio_on, log_ratio_off = (first_log_ratio(m) for m in (on, off))
-        torch.testing.assert_close(log_ratio_on, 2.0 * log_ratio_off, rtol=1e-4, atol=1e-5)
-
-
 def check_weighted(ctx: Ctx) -> None:
-    """Unweighted values make the output independent of alpha (here: of theta); weighted ones not."""
+    """Unweighted values make the output independent of alpha (here: of alpha_norm, which changes
+    alpha but not the slots selected); weighted ones not."""
 
-    def nll(spec, theta):
+    def nll(spec, alpha_norm):
         model = build(spec).eval()
-        model = with_spec(model, resolve_spec(replace(spec, cache=replace(spec.cache, theta=theta))))
+        model = with_spec(model, resolve_spec(replace(spec, cache=replace(spec.cache, alpha_norm=alpha_norm))))
         return torch.stack([o.nll for o in steps(model, tokens(6))])
 
     assert build(ctx.on).weighted is False
-    torch.testing.assert_close(nll(ctx.on, 1.0), nll(ctx.on, 3.0), rtol=0, atol=0)
-    assert not torch.allclose(nll(ctx.off, 1.0), nll(ctx.off, 3.0))
+    torch.testing.assert_close(nll(ctx.on, "all"), nll(ctx.on, "topk"), rtol=0, atol=0)
+    assert not torch.allclose(nll(ctx.off, "all"), nll(ctx.off, "topk"))
 
 
 def check_pos(ctx: Ctx) -> None:
     for spec, real in ((ctx.on, True), (ctx.off, False)):
         assert build(spec).real_pos is real
-        with mock.patch.object(crtn_module, "RealPositions", wraps=crtn_module.RealPositions) as spy:
+        with mock.patch.object(
+            retriever_module, "RealPositions", wraps=retriever_module.RealPositions
+        ) as spy:
             selections(spec)
         assert spy.called is real
 
@@ -289,28 +263,8 @@ def faiss_index(ctx: Ctx, spec=None):
 
 
 def check_faiss_index(ctx: Ctx) -> None:
-    assert isinstance(faiss_index(ctx), faiss.IndexHNSWFlat)
+    assert isinstance(faiss_index(ctx), faiss.IndexHNSWFlat) and faiss_index(ctx).hnsw.efConstruction == 64
     assert isinstance(faiss_index(ctx, ctx.off), faiss.IndexFlatIP)
-
-
-def check_hnsw_m(ctx: Ctx) -> None:  # links per node above level 0: M
-    assert faiss_index(ctx).hnsw.nb_neighbors(1) == 8 and faiss_index(ctx, ctx.off).hnsw.nb_neighbors(1) == 32
-
-
-def check_hnsw_ef_search(ctx: Ctx) -> None:
-    for spec, ef in ((ctx.on, 16), (ctx.off, 128)):
-        with mock.patch.object(faiss, "SearchParametersHNSW", wraps=faiss.SearchParametersHNSW) as spy:
-            last_state(ctx, 4, spec=spec)
-        assert spy.called and {c.kwargs["efSearch"] for c in spy.call_args_list} == {ef}
-
-
-def check_hnsw_ef_construction(ctx: Ctx) -> None:
-    assert faiss_index(ctx).hnsw.efConstruction == 20 and faiss_index(ctx, ctx.off).hnsw.efConstruction == 64
-
-
-def check_renew(ctx: Ctx) -> None:
-    assert build(ctx.on).init_state(2).cache.renew == "least_used"
-    assert build(ctx.off).init_state(2).cache.renew == "fifo"
 
 
 def check_layers(ctx: Ctx) -> None:
@@ -335,12 +289,6 @@ def check_dtype(ctx: Ctx) -> None:
     assert last_state(ctx, 3, spec=ctx.off).cache.values.dtype == torch.float32
 
 
-def check_eval_kv(ctx: Ctx) -> None:
-    with torch.no_grad():
-        assert last_state(ctx, 4).cache.kv is not None
-        assert last_state(ctx, 4, spec=ctx.off).cache.kv is None
-
-
 # ------------------------------------------------------------------ query.*, summary.*
 def check_strategy(ctx: Ctx) -> None:
     assert build(ctx.on).query.strategy == "last_l" and build(ctx.off).query.strategy == "token"
@@ -356,20 +304,6 @@ def check_detach(ctx: Ctx) -> None:
         assert alpha.requires_grad is not detached
 
 
-def check_query_tanh(ctx: Ctx) -> None:
-    for spec, bounded in ((ctx.on, True), (ctx.off, False)):
-        model = build(spec)
-        q = model.query(model.summary, QueryInputs(r_cur=100 * torch.randn(2, 4, 16)))
-        assert bool((q.abs() <= 1).all()) is bounded
-
-
-def check_per_head(ctx: Ctx) -> None:
-    """query=gate: each of the 2 heads selects its own 2 slots (the step reports the 4 slots any head
-    read); shared, the heads read the same 2."""
-    assert selections(ctx.on)[-1].slot.shape == (2, 4, 2 * 2)
-    assert selections(ctx.off)[-1].slot.shape == (2, 4, 2)
-
-
 def check_summary_name(ctx: Ctx) -> None:
     assert isinstance(build(ctx.on).summary, Mean) and build(ctx.off).summary.name == "token_max"
 
@@ -380,12 +314,6 @@ def check_d_key(ctx: Ctx) -> None:
     assert build(ctx.off).summary.proj_q is None
 
 
-def check_summary_tanh(ctx: Ctx) -> None:
-    for spec, bounded in ((ctx.on, True), (ctx.off, False)):
-        key = build(spec).summary.key(100 * torch.randn(2, 4, 16))
-        assert bool((key.abs() <= 1).all()) is bounded
-
-
 def check_ngram(ctx: Ctx) -> None:
     on, off = build(ctx.on).summary, build(ctx.off).summary
     assert (on.ngram, on.query_lead_rows) == (2, 1) and (off.ngram, off.query_lead_rows) == (4, 3)
@@ -394,10 +322,6 @@ def check_ngram(ctx: Ctx) -> None:
 def check_shift(ctx: Ctx) -> None:
     on, off = build(ctx.on).summary, build(ctx.off).summary
     assert (on.shift, on.lead_rows) == (0, 3) and (off.shift, off.lead_rows) == (1, 4)
-
-
-def check_shortlist(ctx: Ctx) -> None:
-    assert (build(ctx.on).summary.shortlist, build(ctx.off).summary.shortlist) == (2, None)
 
 
 def check_cosine(ctx: Ctx) -> None:
@@ -438,34 +362,23 @@ MODEL_WIRING: dict[str, Wire] = {
     "model.init_std": Wire(0.5, check_init_std),
     "model.proj_init_std": Wire(0.5, check_proj_init_std, extra=("model.d_embed=8",)),
     "model.layer_norm_eps": Wire(1e-3, check_layer_norm_eps),
-    "model.sdpa": Wire(True, check_sdpa),
     "model.flex": Wire(True, check_flex),
     "cache.n_slot": Wire(6, check_n_slot),
     "cache.top_k": Wire(3, check_top_k),
     "cache.alpha_norm": Wire("topk", check_alpha_norm),
-    "cache.theta": Wire(2.0, check_theta),
     "cache.weighted": Wire(False, check_weighted),
     "cache.pos": Wire("real", check_pos),
     "cache.backend": Wire("faiss", check_backend, extra=FAISS[1:]),
     "cache.faiss_index": Wire("hnsw", check_faiss_index, extra=FAISS),
-    "cache.hnsw_m": Wire(8, check_hnsw_m, extra=HNSW),
-    "cache.hnsw_ef_search": Wire(16, check_hnsw_ef_search, extra=HNSW),
-    "cache.hnsw_ef_construction": Wire(20, check_hnsw_ef_construction, extra=HNSW),
-    "cache.renew": Wire("least_used", check_renew),
     "cache.layers": Wire(1, check_layers),
     "cache.key_layer": Wire(1, check_key_layer, extra=(LAST_STATE,)),
     "cache.dtype": Wire("float16", check_dtype),
-    "cache.eval_kv": Wire(True, check_eval_kv),
     "query.strategy": Wire("last_l", check_strategy, extra=(LAST_STATE,)),
     "query.detach": Wire(True, check_detach, extra=(LAST_STATE,)),
-    "query.tanh": Wire(True, check_query_tanh, extra=("query.strategy=single_linear", LAST_STATE)),
-    "query.per_head": Wire(True, check_per_head, extra=("query.strategy=gate", "summary.name=mean")),
     "summary.name": Wire("mean", check_summary_name),
     "summary.d_key": Wire(6, check_d_key),
-    "summary.tanh": Wire(True, check_summary_tanh, extra=("query.strategy=last_l", "summary.name=linear")),
     "summary.ngram": Wire(2, check_ngram),
     "summary.shift": Wire(0, check_shift),
-    "summary.shortlist": Wire(2, check_shortlist),
     "summary.cosine": Wire(True, check_cosine),
 }
 

@@ -6,7 +6,7 @@ Needs only torch (and numpy, which ``crtn.model`` imports) and this repository o
 the models are built from :mod:`crtn.model.spec` directly, without Hydra. Builds a ``txl`` and a
 ``crtn`` model at the benchmark's sizes (4 layers, d_model 256, 4 heads of 64, d_inner 1024,
 vocabulary 256; batch 64, tgt_len = mem_len = 64; crtn: 8 slots, top_k 2, query ``token`` with
-``token_max``) and, for each, three copies with the same parameters: eager, ``model.sdpa``,
+``token_max``) and, for each, two copies with the same parameters: eager and
 ``model.flex``. Training mode, dropout 0.
 
 1. Agreement, in float32 and under bf16 autocast: ``--check-steps`` segments (memory and cache
@@ -42,7 +42,7 @@ import torch
 from crtn.model import TransformerLM, build_model, resolve_spec
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 
-PATHS = ("eager", "sdpa", "flex")
+PATHS = ("eager", "flex")
 PRECISIONS = ("float32", "bf16")
 #: float32's tolerance (NLL nats, relative gradient); bf16's is twice its own error, at least this
 TOLERANCE = (1e-4, 1e-3)
@@ -81,7 +81,7 @@ class Row:
 
 
 def make_models(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, TransformerLM]:
-    """The eager model and its sdpa and flex twins (same parameters) on ``device``, training mode."""
+    """The eager model and its flex twin (same parameters) on ``device``, training mode."""
     model = ModelSpec(
         name=name,
         n_layer=args.n_layer,

@@ -187,8 +187,6 @@ def fill_cache(case: Case) -> None:
     t0 = case.state.pos - model.mem_len
     cache.pos.copy_((t0 - L * (n - torch.arange(n, device=cache.pos.device)))[None].expand(B, n))
     cache.n_insert = n
-    if cache.kv_fresh is not None:  # no kept projections: re-projected when retrieved
-        cache.kv_fresh.zero_()
     if cache.keys is not None:  # each slot's key, as the model makes it when the slot enters
         stored = cache.values.view(cache.values.shape[0], B, n, L, -1)
         for i in range(n):

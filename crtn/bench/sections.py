@@ -126,19 +126,18 @@ def _filled_caches(n: int, keys: torch.Tensor, b: Bench) -> dict[str, SegmentCac
     d, L = keys.shape[1], b.s.tgt_len
     summ = make_summary("last_state", L, d)
     caches = {}
-    for name, backend, opts in (
-        ("torch", "torch", {}),
-        ("faiss-flat", "faiss", {"index": "flat"}),
-        ("faiss-hnsw", "faiss", {"index": "hnsw", "hnsw_m": 32, "hnsw_ef_search": 128}),
+    for name, backend, index in (
+        ("torch", "torch", "flat"),
+        ("faiss-flat", "faiss", "flat"),
+        ("faiss-hnsw", "faiss", "hnsw"),
     ):
-        c = SegmentCache(n, 1, summ, backend=backend, faiss_opts=opts)
+        c = SegmentCache(n, 1, summ, backend=backend, faiss_index=index)
         # bulk fill (timing insertion is not the point here): one tiny value row per slot
         c.insert(torch.zeros(1, 1, 1, d), keys[:1], 0)
         c.commit()
         c.values = torch.zeros(1, n, 1, d)
         c.keys = keys[None].to(b.device if backend == "torch" else "cpu").clone()
         c.pos = torch.arange(n)[None] * L
-        c.usage = torch.zeros(1, n, dtype=torch.long)
         c.n_insert = n
         if backend == "faiss":
             c._rebuild_faiss()
@@ -164,11 +163,11 @@ def bench_retrieval(b: Bench) -> dict[str, Any]:
                 qq = q.to(b.device) if name == "torch" else q
                 sync(b.device)
                 t = time.perf_counter()
-                c.select(qq, top_k=k, alpha_norm="topk", t0=n * L, count=False)
+                c.select(qq, top_k=k, alpha_norm="topk", t0=n * L)
                 sync(b.device)
                 times[name].append(time.perf_counter() - t)
-        exact = caches["faiss-flat"].select(q, top_k=k, alpha_norm="topk", t0=n * L, count=False).slot
-        approx = caches["faiss-hnsw"].select(q, top_k=k, alpha_norm="topk", t0=n * L, count=False).slot
+        exact = caches["faiss-flat"].select(q, top_k=k, alpha_norm="topk", t0=n * L).slot
+        approx = caches["faiss-hnsw"].select(q, top_k=k, alpha_norm="topk", t0=n * L).slot
         recall = np.mean([len(set(a.tolist()) & set(b_.tolist())) / k for a, b_ in zip(exact[0], approx[0])])
         for name in caches:
             rows.append(

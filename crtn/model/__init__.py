@@ -7,7 +7,9 @@
 | ``flex.py``       | A_rel through FlexAttention (``model.flex``, the GPU path)        |
 | ``retrieved.py``  | attention to retrieved segments weighted by alpha (§3 step 3)     |
 | ``transformer.py``| Transformer-XL (``txl``) and ``vanilla``: layers, memory, the step |
-| ``crtn.py``       | CRTN: the cache step (query pass, selection, main pass, renewal)  |
+| ``crtn.py``       | CRTN: the cache step (layers below, retriever, retrieving layers, renewal) |
+| ``retriever.py``  | the retrievers: the query pass, selection inside attention (§3)   |
+| ``gate.py``       | selection inside attention (``query=gate``)                       |
 | ``cache.py``      | the key-value cache: storage, renewal, top-k retrieval            |
 | ``query.py``      | query strategies (registry :data:`STRATEGIES`)                    |
 | ``summary.py``    | key/query summaries (registry :data:`SUMMARIES`)                  |

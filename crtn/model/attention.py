@@ -10,8 +10,7 @@ Transformer-XL layer n for segment tau:
     a = Masked-Softmax(A / sqrt(d_head)) v
 
 The position term "BD" is computed once per distance and moved into place by the relative shift
-(:func:`rel_shift`). ``model.sdpa`` computes the same function through
-``F.scaled_dot_product_attention`` (:func:`sdpa_attention`), ``model.flex`` through FlexAttention with
+(:func:`rel_shift`). ``model.flex`` computes the same function through FlexAttention with
 BD as its score_mod (``flex.py``, the GPU path). For CRTN (docs/method.md §3 step 3)
 every query token also attends to the rows of its retrieved segments:
 :func:`crtn.model.retrieved.attend_with_cache`.
@@ -70,37 +69,6 @@ def rel_shift(x: Tensor) -> Tensor:
     return x.reshape(*lead, qlen, klen)
 
 
-def sdpa_attention(
-    q: tuple[Tensor, Tensor], k: Tensor, v: Tensor, *, r_head_k: Tensor, mask: Tensor, dropout: float
-) -> Tensor:
-    """softmax(((q+u).k + (q+v).W_{k,R} R) / sqrt(d_h)) v through ``F.scaled_dot_product_attention``.
-
-    Args:
-        q: (rw_q, rr_q), [B, L, H, d_h] each, q + u and q + v.
-        k, v: [B, K, H, d_h] keys and values of [memory; segment].
-        r_head_k: [K, H, d_h] W_{k,R} R of the distances K-1 .. 0.
-        mask: bool, True = masked, broadcastable to [B, H, L, K].
-        dropout: attention-probability dropout (0 at evaluation).
-
-    Returns:
-        [B, L, H d_h].
-    """
-    rw_q, rr_q = q
-    B, L, H, dh = rw_q.shape
-    scale = 1.0 / math.sqrt(dh)
-    bd = rel_shift(torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0)))  # [B, H, L, K]
-    bias = (bd * scale).masked_fill(mask, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        rw_q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=bias,
-        dropout_p=dropout,
-        scale=scale,
-    )
-    return out.transpose(1, 2).reshape(B, L, H * dh)
-
-
 class RelPartialLearnableMultiHeadAttn(nn.Module):
     """Transformer-XL relative attention (release ``attn_type=0``), optionally over retrieved segments.
 
@@ -114,8 +82,6 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         pre_lnorm: LayerNorm before attention (on memory and segment) instead of after.
         untie_r: own u, v per layer instead of the model's shared pair.
         locked: locked (variational) dropout on the output instead of elementwise.
-        sdpa: attention without retrieved rows through ``F.scaled_dot_product_attention``
-            (``model.sdpa``): (q + u).k is its product, the position term its additive mask.
         flex: attention without retrieved rows through FlexAttention (``model.flex``, ``flex.py``):
             (q + u).k is its product, the position term its score_mod, the mask a BlockMask.
 
@@ -134,14 +100,13 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         layer_norm_eps: float = 1e-5,
         untie_r: bool = False,
         locked: bool = False,
-        sdpa: bool = False,
         flex: bool = False,
     ):
         super().__init__()
         if flex and dropatt > 0:
             raise ValueError(f"flex=True has no attention dropout, but dropatt={dropatt}")
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
-        self.sdpa, self.flex = sdpa, flex
+        self.flex = flex
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
@@ -204,10 +169,6 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
         rw_q = q + r_w_bias  # [B, L, H, dh]
         rr_q = q + r_r_bias
-        if self.sdpa and cache is None:
-            drop = self.dropatt.p if self.training else 0.0
-            attn_vec = sdpa_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=attn_mask, dropout=drop)
-            return self._output(h, attn_vec)
         if self.flex and cache is None and flex_mask is not None:
             attn_vec = flex_path.rel_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=flex_mask)
             return self._output(h, attn_vec)
@@ -338,7 +299,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         dropfor: float | None = None,
         dropatt_out: float | None = None,
         locked: bool = False,
-        sdpa: bool = False,
         flex: bool = False,
     ):
         super().__init__()
@@ -352,7 +312,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             layer_norm_eps=layer_norm_eps,
             untie_r=untie_r,
             locked=locked,
-            sdpa=sdpa,
             flex=flex,
         )
         self.pos_ff = PositionwiseFF(

@@ -2,7 +2,7 @@
 
 Per batch row the cache holds N slots. Slot i stores one past segment of Ls tokens:
 its hidden states at every layer 0..n (the value V_i), its key k_i = summary(top layer
-of V_i), the stream position of its first token, and how often it was selected.
+of V_i) and the stream position of its first token.
 All of it is gradient-stopped.
 
 Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d], and renewal writes
@@ -10,17 +10,17 @@ one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
 cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
 in every row and empty slots are simply never scored.
 
-Selection (docs/method.md §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots,
-scaled by the temperature theta (``cache.theta``, 1 by default); the k best slots per
+Selection (docs/method.md §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots;
+the k best slots per
 token (equal scores: the most recent slot first), re-ordered by stream position (oldest first). With fewer than k valid slots,
 all valid slots are taken. The weights alpha (``cache.alpha_norm``):
 
-- ``all``: softmax over all valid slots, alpha = softmax(theta s)[top-k] (the CRTN paper's
+- ``all``: softmax over all valid slots, alpha = softmax(s)[top-k] (the CRTN paper's
   topk(softmax(Q Keys^T)), the CRTN paper's equation); sums to at most 1 and shrinks as
   N grows;
-- ``topk``: softmax over the k selected scores, alpha = softmax(theta s_topk); sums to 1;
+- ``topk``: softmax over the k selected scores, alpha = softmax(s_topk); sums to 1;
 - ``original``: the authors' code (xyz961014/longterm, ``CRTN/layers/transformer.py``):
-  p = softmax(theta s) over all valid slots, then alpha = k softmax(p_topk), a softmax
+  p = softmax(s) over all valid slots, then alpha = k softmax(p_topk), a softmax
   over *probabilities*; sums to k and stays within [2/(1+e), 2e/(1+e)] for k = 2.
 
 The ``faiss`` backend finds the top-k with one faiss index per batch row and then
@@ -29,10 +29,7 @@ recomputes the k scores in torch, so gradients reach the query exactly as with t
 computes for ``alpha_norm=topk`` alone; ``all`` and ``original`` need every slot's score and
 are refused with faiss (:func:`resolve_cache`).
 
-Renewal (docs/method.md §3 step 5): ``fifo`` drops the oldest slot; ``least_used`` the slot selected
-least often since it entered; ``discard_worst`` (the authors' option) the slot with the
-lowest ratio of tokens that selected it to tokens that scored it since it entered (a
-slot not yet scored is kept). Ties go to the oldest slot.
+Renewal (docs/method.md §3 step 5): first in, first out; a new segment replaces the oldest slot.
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ ALPHA_NORMS = ("all", "topk", "original")
 POS_MODES = ("concat", "real")  # used by the attention (attention.py)
 BACKENDS = ("torch", "faiss")
 FAISS_INDEXES = ("flat", "hnsw")
-RENEWALS = ("fifo", "least_used", "discard_worst")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -77,24 +73,18 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
             per slot).
 
     Raises:
-        ConfigError: one line naming the key: negative sizes, theta <= 0, an unknown option,
-            faiss with a renewal other than fifo, with ``alpha_norm`` other than topk, or with a
-            summary whose keys are several rows.
+        ConfigError: one line naming the key: negative sizes, an unknown option, faiss with
+            ``alpha_norm`` other than topk, or with a summary whose keys are several rows.
     """
     if spec.n_slot < 0 or spec.top_k < 0:
         raise ConfigError(f"cache.n_slot={spec.n_slot} and cache.top_k={spec.top_k} must be >= 0")
-    if not spec.theta > 0:
-        raise ConfigError(f"cache.theta={spec.theta} must be > 0")
     check_choice("cache.alpha_norm", spec.alpha_norm, ALPHA_NORMS)
     check_choice("cache.pos", spec.pos, POS_MODES)
     check_choice("cache.backend", spec.backend, BACKENDS)
     check_choice("cache.faiss_index", spec.faiss_index, FAISS_INDEXES)
-    check_choice("cache.renew", spec.renew, RENEWALS)
     if spec.dtype is not None:
         check_choice("cache.dtype", spec.dtype, CACHE_DTYPES)
     if spec.backend == "faiss":
-        if spec.renew != "fifo":
-            raise ConfigError("cache.backend=faiss supports cache.renew=fifo only")
         if spec.alpha_norm != "topk":
             raise ConfigError(
                 f"cache.alpha_norm={spec.alpha_norm} needs every slot's score, but cache.backend=faiss "
@@ -133,14 +123,10 @@ class SegmentCache:
         batch_size: B.
         summary: the model's summary: how keys are made, stored and scored.
         key_layer: the stored layer whose states keys are views of (-1: the last, the top).
-        renew: ``fifo`` (drop the oldest slot), ``least_used`` (drop the slot selected
-            least often since it entered) or ``discard_worst`` (drop the slot with the
-            lowest selected / scored ratio); ties go to the oldest.
         dtype: storage dtype of the values (float32, float16, bfloat16, float64); None
             stores them in the dtype of the inserted states.
         backend: ``torch`` (exact scores on the model's device) or ``faiss``.
-        faiss_opts: for ``faiss``: ``index`` (flat | hnsw), ``hnsw_m``,
-            ``hnsw_ef_search``, ``hnsw_ef_construction``.
+        faiss_index: for ``faiss``: ``flat`` (exact) or ``hnsw`` (approximate).
     """
 
     def __init__(
@@ -149,29 +135,22 @@ class SegmentCache:
         batch_size: int,
         summary: Summary,
         key_layer: int = -1,
-        renew: str = "fifo",
         dtype: str | torch.dtype | None = None,
         backend: str = "torch",
-        faiss_opts: dict | None = None,
+        faiss_index: str = "flat",
     ):
         assert n_slot > 0, "a cache has at least one slot (CacheSpec.enabled)"
-        self.n_slot, self.batch_size, self.renew = n_slot, batch_size, renew
+        self.n_slot, self.batch_size = n_slot, batch_size
         self.summary = summary
         self.key_layer = key_layer
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
-        self.backend, self.faiss_opts = backend, dict(faiss_opts or {})
+        self.backend, self.faiss_index = backend, faiss_index
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
         self.keys: Tensor | None = (
             None  # [B, N, d_key] (a gate's [B, N, n_ret, d]); None: views of the values
         )
         self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
-        self.usage: Tensor | None = None  # [B, N] tokens that selected the slot since insertion
-        self.scored: Tensor | None = None  # [B, N] tokens that scored the slot since insertion
         self.newest: Tensor | None = None  # [B] slot written last
-        # evaluation: projected keys and values W_{k,E} h, W_v h of each slot at the retrieving
-        # layers, [n_kv, 2, B*N, H, Ls, d_h], and which slots hold them (inserted at evaluation)
-        self.kv: Tensor | None = None
-        self.kv_fresh: Tensor | None = None  # [B, N] bool
         self.n_insert = 0
         self._faiss: FaissRows | None = None
         self._pending: tuple | None = None
@@ -229,7 +208,7 @@ class SegmentCache:
         rows = torch.arange(self.batch_size, device=self.values.device) * self.n_slot + self.newest
         return self.values.index_select(1, rows)
 
-    def insert(self, states: Tensor, key: Tensor | None, pos: int, kv: Tensor | None = None) -> None:
+    def insert(self, states: Tensor, key: Tensor | None, pos: int) -> None:
         """Stage one new segment per row; it enters the cache at the next :meth:`commit`.
 
         Renewal writes the ring buffer in place. Deferring the write to the start of
@@ -242,17 +221,15 @@ class SegmentCache:
                 ``gate.py``), or None when the summary's key is a view of the top layer
                 (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
-            kv: [n_kv, 2, B, H, Ls, d_h] projected keys and values of the states at the retrieving
-                layers (evaluation, :meth:`fresh_kv`), or None (training: the slot has none).
         """
         self.commit()
-        self._pending = (states, key, pos, kv)
+        self._pending = (states, key, pos)
 
     def commit(self) -> None:
-        """Write the staged segment (if any) into its slot: FIFO or least-used replacement."""
+        """Write the staged segment (if any) into its slot, replacing the oldest (FIFO)."""
         if self._pending is None:
             return
-        states, key, pos, kv = self._pending
+        states, key, pos = self._pending
         self._pending = None
         n_layers, B, Ls, d = states.shape
         dev = states.device
@@ -260,18 +237,13 @@ class SegmentCache:
             self.dtype = self.dtype or states.dtype
             self.values = torch.empty(n_layers, B * self.n_slot, Ls, d, dtype=self.dtype, device=dev)
             self.pos = torch.full((B, self.n_slot), -1, dtype=torch.long, device=dev)
-            self.usage = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
-            self.scored = torch.zeros(B, self.n_slot, dtype=torch.long, device=dev)
             self.newest = torch.zeros(B, dtype=torch.long, device=dev)
             if key is not None:  # one key per slot: [B, d_key] (a gate's: [B, n_ret, d])
                 self.keys = torch.zeros(B, self.n_slot, *key.shape[1:], dtype=states.dtype, device=dev)
-        assert self.pos is not None and self.usage is not None
+        assert self.pos is not None
         if Ls != self.seg_len:
             raise ValueError(f"segment of {Ls} rows cannot enter a cache of {self.seg_len}-row slots")
-        if self.renew != "fifo" and self.n_insert >= self.n_slot:
-            slot = self._worst_slot()
-        else:
-            slot = torch.full((B,), self.n_insert % self.n_slot, dtype=torch.long, device=dev)
+        slot = torch.full((B,), self.n_insert % self.n_slot, dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev) * self.n_slot + slot
         self.values.index_copy_(1, rows, states.to(self.dtype))
         b = torch.arange(B, device=dev)
@@ -279,50 +251,12 @@ class SegmentCache:
             assert key is not None
             self.keys[b, slot] = key.to(self.keys.dtype)
         self.pos[b, slot] = pos
-        self.usage[b, slot] = 0
-        self.scored[b, slot] = 0
         self.newest = slot
-        self._write_kv(kv, rows, b, slot)
         self.n_insert += 1
         if self.backend == "faiss":
             if self._faiss is None:
-                self._faiss = FaissRows(B, self.n_slot, self.faiss_opts)
+                self._faiss = FaissRows(B, self.n_slot, self.faiss_index)
             self._faiss.add(self._flat_keys(b, slot))
-
-    def _write_kv(self, kv: Tensor | None, rows: Tensor, b: Tensor, slot: Tensor) -> None:
-        """Store a new slot's projected keys and values (or mark that it has none)."""
-        if kv is not None and (self.kv is None or self.kv.shape[0] != kv.shape[0]):
-            n_kv, _, B, *rest = kv.shape
-            self.kv = torch.empty(n_kv, 2, B * self.n_slot, *rest, dtype=self.dtype, device=kv.device)
-            self.kv_fresh = torch.zeros(B, self.n_slot, dtype=torch.bool, device=kv.device)
-        if self.kv_fresh is None:
-            return
-        if kv is not None:
-            assert self.kv is not None
-            self.kv.index_copy_(2, rows, kv.to(self.dtype))
-        self.kv_fresh[b, slot] = kv is not None
-
-    def fresh_kv(self) -> Tensor | None:
-        """The projected keys and values of every slot, [n_kv, 2, B*N, H, Ls, d_h], when every filled
-        slot has them (all were inserted at evaluation), else None.
-
-        They are the projections by the weights of the step that inserted the slot: exact while
-        the weights do not change (evaluation; a new evaluation starts from a fresh state).
-        """
-        if self.kv_fresh is None or not bool(self.kv_fresh[:, : self.n_valid].all()):
-            return None
-        return self.kv
-
-    def _worst_slot(self) -> Tensor:
-        """The slot each row drops under ``least_used`` / ``discard_worst``: [B] long, ties to the oldest."""
-        assert self.usage is not None and self.scored is not None and self.pos is not None
-        if self.renew == "least_used":
-            badness = -self.usage.double()
-        else:  # discard_worst: lowest selected / scored; a slot not yet scored is kept
-            ratio = self.usage.double() / self.scored.clamp(min=1).double()
-            badness = -torch.where(self.scored > 0, ratio, torch.full_like(ratio, float("inf")))
-        worst = badness == badness.max(1, keepdim=True).values
-        return self.pos.masked_fill(~worst, torch.iinfo(torch.long).max).argmin(1)
 
     def _flat_keys(self, b: Tensor, slot: Tensor) -> np.ndarray:
         keys = self.valid_keys() if self.summary.key_is_view else self.keys
@@ -337,8 +271,6 @@ class SegmentCache:
         top_k: int,
         alpha_norm: str,
         t0: int,
-        theta: float = 1.0,
-        count: bool = True,
         score_fn: Callable[[Tensor], Tensor] | None = None,
     ) -> Selection:
         """Top-k slots and weights for every token (docs/method.md §3 step 2).
@@ -349,9 +281,6 @@ class SegmentCache:
             alpha_norm: ``all``, ``topk`` or ``original`` (module docstring); the faiss
                 backend computes ``topk`` only (:func:`resolve_cache` refuses the others).
             t0: stream position of the current segment's first token.
-            theta: temperature multiplying the scores before every softmax.
-            count: add the selections to ``usage`` and the scorings to ``scored`` (False:
-                leave the cache untouched).
             score_fn: keys [B, n_valid, ...] -> scores [B, L, n_valid], replacing
                 ``summary.score(query, keys)`` for the torch backend (a strategy's fast path);
                 ``query`` may then be None.
@@ -376,67 +305,27 @@ class SegmentCache:
             slot = torch.from_numpy(self._faiss.search(q_np, k, self.n_insert)).to(query.device)
             keys = self.valid_keys()
             picked = keys[torch.arange(B, device=query.device)[:, None, None], slot]  # [B, L, k, ...]
-            alpha = torch.softmax(_scaled(self.summary.score_selected(query, picked), theta), -1)
+            alpha = torch.softmax(self.summary.score_selected(query, picked), -1)
             self.select_seconds += time.perf_counter() - t_start
         else:
             keys = self.valid_keys()
             if score_fn is not None:
                 scores = score_fn(keys)  # [B, L, nv]
-            elif self.summary.shortlist is not None:  # token_max, two-stage (summary.shortlist)
-                scores = self._shortlisted_scores(query, keys)
             elif self.summary.lead_rows > 0:  # token_max's n-gram match: the rows before each slot too
                 scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.lead_rows))
             else:
                 scores = self.summary.score(query, keys)
             self.select_seconds += time.perf_counter() - t_start
-            return self.choose(_scaled(scores, theta), top_k=top_k, alpha_norm=alpha_norm, t0=t0, count=count)
-        return self._chosen(slot, alpha, t0=t0, count=count)
+            return self.choose(scores, top_k=top_k, alpha_norm=alpha_norm, t0=t0)
+        return self._chosen(slot, alpha, t0=t0)
 
-    def shortlist(self, pooled: Tensor, size: int) -> Tensor:
-        """The first stage of token_max's two-stage score (``summary.shortlist``, docs/method.md §3
-        "Two-stage token_max"): the ``size`` slots whose pooled score is the best of any token of
-        the segment.
-
-        Args:
-            pooled: [B, L, ..., n_valid] first-stage scores (tokens, then head groups for a gate).
-            size: M; all slots are kept when M >= n_valid.
-
-        Returns:
-            [B, ..., min(M, n_valid)] long slot indices (equal scores: the most recent slot first).
-        """
-        best = pooled.amax(1)  # [B, ..., nv]: the best score of any token of the segment
-        return self._top(best, min(size, best.shape[-1]))[1]
-
-    def _shortlisted_scores(self, query: Tensor, rows: Tensor) -> Tensor:
-        """token_max's two-stage score (``summary.shortlist``): the pooled score of every slot, then
-        the row match on the shortlisted ones; the other slots score -inf.
-
-        Args:
-            query: [B, L, d] the segment's queries.
-            rows: [B, n_valid, Ls, d] the slots' key-layer rows (``valid_keys``).
-
-        Returns:
-            [B, L, n_valid] unscaled scores.
-        """
-        assert self.keys is not None and self.summary.shortlist is not None
-        nv = rows.shape[1]
-        segment = query[:, self.summary.query_lead_rows :]  # the lead queries belong to the previous segment
-        short = self.shortlist(self.summary.pooled_score(segment, self.keys[:, :nv]), self.summary.shortlist)
-        lead = None
-        if self.summary.lead_rows > 0:
-            lead = pick_slots(self._lead_in(rows, self.summary.lead_rows), short)
-        scores = self.summary.score(query, pick_slots(rows, short), lead=lead)  # [B, L, M]
-        return spread(scores, short, nv)
-
-    def choose(
-        self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int, count: bool = True
-    ) -> Selection:
+    def choose(self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int) -> Selection:
         """Top-k slots and their weights from given scores (docs/method.md §3 step 2).
 
         Args:
-            scores: [B, ..., n_valid] (theta-scaled) scores of the filled slots: [B, L] tokens for
+            scores: [B, ..., n_valid] scores of the filled slots: [B, L] tokens for
                 a query strategy, [B, L, G] tokens and head groups for selection inside attention.
-            top_k, alpha_norm, t0, count: as in :meth:`select`.
+            top_k, alpha_norm, t0: as in :meth:`select`.
 
         Returns:
             a :class:`Selection` whose tensors have the scores' leading shape and k last.
@@ -451,7 +340,7 @@ class SegmentCache:
         else:
             alpha = torch.softmax(top_s, -1)
         self.select_seconds += time.perf_counter() - t_start
-        return self._chosen(slot, alpha, t0=t0, count=count)
+        return self._chosen(slot, alpha, t0=t0)
 
     def _top(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k largest scores of [B, ..., n_valid] and their slots; equal scores go to the most
@@ -464,17 +353,14 @@ class SegmentCache:
         ranked, idx = scores.gather(-1, order).sort(dim=-1, descending=True, stable=True)
         return ranked[..., :k], order.gather(-1, idx[..., :k])
 
-    def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int, count: bool) -> Selection:
-        """The selection of ``slot`` [B, ..., k] with weights ``alpha``: ordered by stream position
-        (oldest first), counted in ``usage``/``scored`` when ``count``."""
-        assert self.pos is not None and self.usage is not None and self.scored is not None
+    def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int) -> Selection:
+        """The selection of ``slot`` [B, ..., k] with weights ``alpha``, ordered by stream position
+        (oldest first)."""
+        assert self.pos is not None
         B = slot.shape[0]
         pos = self.pos.gather(1, slot.reshape(B, -1)).view(slot.shape)
         order = pos.argsort(-1)
         slot, pos, alpha = slot.gather(-1, order), pos.gather(-1, order), alpha.gather(-1, order)
-        if count:
-            self.usage.scatter_add_(1, slot.reshape(B, -1), torch.ones_like(slot).reshape(B, -1))
-            self.scored[:, : self.n_valid] += slot[0, ..., 0].numel()  # scorings per slot: tokens (x groups)
         rows = torch.arange(B, device=slot.device) * self.n_slot
         flat = slot + rows.view(B, *[1] * (slot.dim() - 1))
         return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
@@ -490,11 +376,7 @@ class SegmentCache:
             "values": self.values,
             "keys": self.keys,
             "pos": self.pos,
-            "usage": self.usage,
-            "scored": self.scored,
             "newest": self.newest,
-            "kv": self.kv,
-            "kv_fresh": self.kv_fresh,
             "key_view": self.summary.name if self.summary.key_is_view and self.values is not None else None,
         }
 
@@ -507,21 +389,17 @@ class SegmentCache:
             )
         self.n_insert = sd["n_insert"]
         self.values, self.keys, self.pos = sd["values"], sd["keys"], sd["pos"]
-        self.usage, self.newest = sd["usage"], sd["newest"]
-        self.scored = sd.get("scored")
-        if self.scored is None and self.usage is not None:  # checkpoints before discard_worst
-            self.scored = torch.zeros_like(self.usage)
+        self.newest = sd["newest"]
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
         self._faiss = None
-        self.kv, self.kv_fresh = sd.get("kv"), sd.get("kv_fresh")
         if self.backend == "faiss" and self.n_insert > 0:
             self._rebuild_faiss()
 
     def _rebuild_faiss(self) -> None:
         """Re-create the faiss indexes from the stored keys, oldest first."""
         assert self.pos is not None
-        self._faiss = FaissRows(self.batch_size, self.n_slot, self.faiss_opts)
+        self._faiss = FaissRows(self.batch_size, self.n_slot, self.faiss_index)
         nv = self.n_valid
         order = self.pos[:, :nv].argsort(1)  # FIFO: the same order in every row
         b = torch.arange(self.batch_size, device=order.device)
@@ -532,26 +410,8 @@ class SegmentCache:
 
     def to(self, device: torch.device | str) -> SegmentCache:
         """Move the stored tensors to ``device`` (in place); returns self."""
-        for name in ("values", "keys", "pos", "usage", "scored", "newest", "kv", "kv_fresh"):
+        for name in ("values", "keys", "pos", "newest"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
         return self
-
-
-def pick_slots(rows: Tensor, slots: Tensor) -> Tensor:
-    """rows [B, n, ...] of the given slots [B, m] -> [B, m, ...] (a copy)."""
-    index = slots.view(*slots.shape, *[1] * (rows.dim() - 2)).expand(*slots.shape, *rows.shape[2:])
-    return rows.gather(1, index)
-
-
-def spread(scores: Tensor, slots: Tensor, n: int) -> Tensor:
-    """Scores [B, L, ..., m] of the slots [B, ..., m] (per stream, or per stream and head group)
-    placed among n: [B, L, ..., n], -inf at the slots not given."""
-    out = scores.new_full((*scores.shape[:-1], n), float("-inf"))
-    return out.scatter(-1, slots[:, None].expand(*scores.shape), scores)
-
-
-def _scaled(scores: Tensor, theta: float) -> Tensor:
-    """theta * scores; theta = 1 returns the scores themselves (bit-identical to no scaling)."""
-    return scores if theta == 1.0 else scores * theta

@@ -1,16 +1,20 @@
 """The cache-based recurrent transformer network, CRTN (docs/method.md §3): Transformer-XL plus a
 key-value cache of the ``n_slot`` most recent segments that left the short-term memory.
 
-One step for segment X_t (docs/method.md §3):
+One step for segment X_t (:meth:`CRTN.forward`; docs/method.md §3):
 
-1. query pass: the Transformer over X_t with S (and at least X_{t-1}) as memory and no
-   cache; its top layer R_cur feeds the query strategy -> q_j for every token j;
-2. selection: top-k cached segments and weights alpha per token (``cache.py``);
-3. main pass: Transformer-XL attention over [retrieved segments; S; X_t], values of the
-   retrieved segments scaled by alpha (``attention.py``);
-4. logits / NLL from the main pass;
+1. the layers below retrieval (``cache.layers``: the lower n - layers layers, run once; none
+   in the paper's model, where every layer retrieves);
+2. a retriever selects the cached segments (``retriever.py``): the paper's query pass (a pass
+   over X_t gives R_cur, the query strategy q_j for every token j, the cache the top-k segments
+   and weights alpha, ``cache.py``), or selection inside attention (``query=gate``: each
+   retrieving layer selects with its own queries, ``gate.py``);
+3. the retrieving layers: Transformer-XL attention over [selected segments; S; X_t], values of
+   the selected segments scaled by alpha (``attention.py``, ``retrieved.py``); at evaluation the
+   layers keep the memory's projected keys and values (``evalkv.py``);
+4. logits / NLL from the top layer;
 5. renewal: [S; H_t] at every layer; the oldest L positions that no longer fit in S
-   become a new slot, FIFO (or least-used).
+   become a new slot, replacing the oldest (FIFO).
 
 Dependency range m + N L tokens (:func:`dependency_range`) for the attention cost of
 about m + (k+1) L. With ``n_slot = 0`` or ``top_k = 0`` the model is exactly
@@ -26,11 +30,11 @@ import torch
 from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.cache import SegmentCache, Selection, resolve_cache
-from crtn.model.evalkv import keep_last, slot_layout
-from crtn.model.gate import Gate, block_keys
-from crtn.model.query import STRATEGIES, QueryInputs
-from crtn.model.retrieved import CacheContext, RealPositions
+from crtn.model.cache import SegmentCache, resolve_cache
+from crtn.model.evalkv import StepKV
+from crtn.model.gate import block_keys
+from crtn.model.query import STRATEGIES
+from crtn.model.retriever import IN_ATTENTION, QUERY_PASS, Found, Retriever, seg_len
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 from crtn.model.summary import SUMMARIES
 from crtn.model.transformer import LMOutput, State, TransformerLM, tensor_nbytes, to_device
@@ -66,7 +70,7 @@ class CRTNState(State):
 
     def nbytes(self) -> int:
         cache = self.cache
-        stored = (None, None, None) if cache is None else (cache.values, cache.keys, cache.kv)
+        stored = (None, None) if cache is None else (cache.values, cache.keys)
         return super().nbytes() + tensor_nbytes(self.r_prev, *stored)
 
 
@@ -149,10 +153,6 @@ class CRTN(TransformerLM):
         query = strategy_cls.resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
         strategy_cls.check_summary(summary)  # options of the summary the strategy leaves unused
-        if summary.shortlist is not None and cache.top_k > summary.shortlist:
-            raise ConfigError(
-                f"cache.top_k={cache.top_k} selects more slots than summary.shortlist={summary.shortlist} keeps"
-            )
         gate = strategy_cls.in_attention
         if gate:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
@@ -175,15 +175,9 @@ class CRTN(TransformerLM):
             batch_size,
             self.summary,
             key_layer=-1 if self.key_layer is None else self.key_layer - self.retrieve_from,
-            renew=c.renew,
             dtype=c.dtype,
             backend=c.backend,
-            faiss_opts={
-                "index": c.faiss_index,
-                "hnsw_m": c.hnsw_m,
-                "hnsw_ef_search": c.hnsw_ef_search,
-                "hnsw_ef_construction": c.hnsw_ef_construction,
-            },
+            faiss_index=c.faiss_index,
         )
         return CRTNState(cache=cache)
 
@@ -200,246 +194,89 @@ class CRTN(TransformerLM):
         return state
 
     # -------------------------------------------------------------------- step
+    @property
+    def retriever(self) -> Retriever:
+        """What selects the cached segments (``retriever.py``): selection inside attention for
+        ``query=gate``, else the query pass of the strategy."""
+        return IN_ATTENTION if self.query.in_attention else QUERY_PASS
+
     def forward(
         self, tokens: Tensor, target: Tensor | None = None, state: State | None = None, update: bool = True
     ) -> LMOutput:
-        """One CRTN step over a segment of every stream (module docstring, steps 1-5).
+        """One CRTN step over a segment of every stream (module docstring, steps 1-5): the layers
+        below retrieval, the retriever's selection, the retrieving layers over [selected segments;
+        memory; segment], renewal.
 
         Args and returns as :meth:`TransformerLM.forward`; ``update=False`` also leaves the
-        cache untouched (no renewal, no usage counts). ``LMOutput.selection`` holds the
-        retrieval of this step (None while the cache is empty).
+        cache untouched (no renewal). ``LMOutput.selection`` holds the retrieval of this step
+        (None while the cache is empty).
         """
-        B, L = tokens.shape
         if state is None:
-            state = self.init_state(B, tokens.device)
-        cache = state.cache
-        if cache is None:  # n_slot = 0 or top_k = 0: Transformer-XL
+            state = self.init_state(tokens.shape[0], tokens.device)
+        if state.cache is None:  # n_slot = 0 or top_k = 0: Transformer-XL
             return super().forward(tokens, target, state, update)
-        cache.commit()
-        seg = cache.seg_len if cache.values is not None else self.tgt_len
-        keep = self.keeps_kv()  # evaluation: projected keys and values kept (evalkv.py)
-        mem_kv = self.step_memory_kv(state) if keep else self.memory_kv(state.mem)
-        kv_out: list[Tensor] | None = [] if keep else None
-        r = self.retrieve_from
-        lower = None
-        if r > 0:  # the layers below the first retrieving one: shared by query and main pass
-            lower = self.core(tokens, state.mem, mem_kv=mem_kv, layers=(0, r), kv_out=kv_out)[0]
-        r_cur, selection = None, None
-        if self.query.in_attention:
-            pass  # each retrieving layer selects for itself (gate.py)
-        elif cache.n_valid > 0 or self.needs_r_prev:
-            r_cur, selection = self._retrieve(
-                tokens,
-                state,
-                seg=seg,
-                mem_kv=mem_kv,
-                update=update,
-                shared=None if lower is None else lower[-1],
-            )
-        keep_slots = keep and self.spec.cache.eval_kv  # slots' projections too (cache.eval_kv)
-        if self.query.in_attention:
-            ctx, real_pos = self._gate_context(
-                cache, t0=state.pos, seg=seg, L=L, keep=keep_slots, update=update
-            )
-        else:
-            ctx, real_pos = self._context(cache, selection, seg=seg, L=L, keep=keep_slots)
-        if lower is None:
-            hids, out = self.core(
-                tokens, state.mem, cache=ctx, real_pos=real_pos, mem_kv=mem_kv, kv_out=kv_out
-            )
-        else:
-            upper, out = self.core(
-                tokens,
-                state.mem,
-                cache=ctx,
-                real_pos=real_pos,
-                mem_kv=mem_kv,
-                layers=(r, self.n_layer),
-                h=lower[-1],
-                kv_out=kv_out,
-            )
-            hids = lower + upper[1:]
-        if ctx is not None and ctx.gate is not None and ctx.gate.selections:
-            selection = _reported(ctx.gate.selections[-1])  # the top retrieving layer's, all heads
+        state.cache.commit()
+        kv = self.step_kv(state, share=True)  # the memory's keys and values, shared by every pass
+        below = self._below(tokens, state, kv)
+        found = self.retriever.find(self, tokens, state, below=below, kv=kv)
+        hids, out = self._retrieving(tokens, state, kv=kv, below=below, found=found)
         nll = None if target is None else self.crit(out, target)
         if not update:
-            return LMOutput(nll, out, state, selection)
-        new_mem, new_kv = self._renew(state, hids, seg=seg, L=L, kv=kv_out, keep_slots=keep_slots)
-        new_state = CRTNState(
-            mem=new_mem,
-            mem_kv=new_kv,
-            pos=state.pos + L,
-            cache=cache,
-            r_prev=None if r_cur is None else r_cur.detach(),
-            prev_tokens=tokens if L == seg else None,
+            return LMOutput(nll, out, state, found.reported())
+        return LMOutput(
+            nll, out, self._renew(state, tokens, hids, kv=kv, r_cur=found.r_cur), found.reported()
         )
-        return LMOutput(nll, out, new_state, selection)
 
-    def _context(
-        self, cache: SegmentCache, selection: Selection | None, *, seg: int, L: int, keep: bool
-    ) -> tuple[CacheContext | None, RealPositions | None]:
-        """What the main pass reads of the selection (None before the first): the retrieved rows
-        (with their kept keys and values at evaluation) and, for ``cache.pos=real``, their positions."""
-        if selection is None:
-            return None, None
-        ctx = CacheContext(
-            cache.values,
-            selection.flat_index,
-            selection.alpha,
-            weighted=self.weighted,
-            age=selection.age,
-            first_layer=self.retrieve_from,
-            kv=cache.fresh_kv() if keep else None,
+    def _below(self, tokens: Tensor, state: CRTNState, kv: StepKV) -> list[Tensor] | None:
+        """The layers below the first retrieving one (``cache.layers``), run once for the retriever
+        and the retrieving layers: the states [B, L, d] at layers 0..r; None when every layer
+        retrieves (r = 0: the retrieving pass embeds the tokens itself)."""
+        r = self.retrieve_from
+        if r == 0:
+            return None
+        return self.core(tokens, state.mem, mem_kv=kv.mem, layers=(0, r), kv_out=kv.out)[0]
+
+    def _retrieving(
+        self, tokens: Tensor, state: CRTNState, *, kv: StepKV, below: list[Tensor] | None, found: Found
+    ) -> tuple[list[Tensor], Tensor]:
+        """Steps 3-4: the retrieving layers over [selected segments; S; X_t] (``found``), on top of
+        ``below``. Returns the states [B, L, d] at layers 0..n and the top layer's output."""
+        upper, out = self.core(
+            tokens,
+            state.mem,
+            cache=found.context,
+            real_pos=found.real_pos,
+            mem_kv=kv.mem,
+            layers=(self.retrieve_from, self.n_layer),
+            h=None if below is None else below[-1],
+            kv_out=kv.out,
         )
-        real_pos = None
-        if self.real_pos:
-            real_pos = RealPositions(
-                self.pos_emb, selection.age, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
-            )
-        return ctx, real_pos
-
-    def _gate_context(
-        self, cache: SegmentCache, *, t0: int, seg: int, L: int, keep: bool, update: bool
-    ) -> tuple[CacheContext | None, RealPositions | None]:
-        """Selection inside attention (``query=gate``, gate.py): a context from which each retrieving
-        layer selects its own segments (None while the cache is empty) and, for ``cache.pos=real``,
-        the position terms of every filled slot, from which each layer takes its own."""
-        if cache.n_valid == 0:
-            return None, None
-        c = self.spec.cache
-        gate = Gate(
-            cache,
-            self.summary,
-            top_k=c.top_k,
-            alpha_norm=c.alpha_norm,
-            theta=c.theta,
-            per_head=self.spec.query.per_head,
-            detach=self.detach,
-            first_layer=self.retrieve_from,
-            t0=t0,
-            count=update,
-        )
-        ctx = CacheContext(
-            cache.values,
-            None,
-            None,
-            weighted=self.weighted,
-            first_layer=self.retrieve_from,
-            kv=cache.fresh_kv() if keep else None,
-            gate=gate,
-            gate_k=min(c.top_k, cache.n_valid),
-        )
-        real_pos = None
-        if self.real_pos:
-            assert cache.pos is not None
-            every = (t0 - cache.pos[:, None, : cache.n_valid]).expand(-1, L, -1)  # [B, L, n_valid]
-            real_pos = RealPositions(
-                self.pos_emb, every, seg_len=seg, q_len=L, clamp_len=self.clamp_len, dtype=self.dtype
-            )
-        return ctx, real_pos
-
-    def _retrieve(
-        self,
-        tokens: Tensor,
-        state: CRTNState,
-        *,
-        seg: int,
-        mem_kv: list[Tensor] | None,
-        update: bool,
-        shared: Tensor | None = None,
-    ) -> tuple[Tensor | None, Selection | None]:
-        """Steps 1-2: the query pass (R_cur) and, with a non-empty cache, the selection.
-
-        R_cur is layer ``key_layer`` of a query pass over X_t (the top layer by default);
-        with ``cache.layers`` it is ``shared``, the main pass's own input to the first
-        retrieving layer. Gradients reach the query only through alpha (keys are
-        gradient-stopped), so nothing here needs them unless the values are alpha-weighted.
-        ``query.detach`` stops them at R_cur: the query pass gets none, the query's own
-        weights (``summary.proj*``, ``query.seq_linear``, ``query.proj``) still train.
-        """
-        cache = state.cache
-        assert cache is not None
-        nv, qs = cache.n_valid, self.query
-        grad = torch.is_grad_enabled() and nv > 0 and self.weighted
-        r_cur, selection = None, None
-        with torch.set_grad_enabled(grad):
-            qmem = self._query_memory(state, seg)
-            if shared is not None:
-                r_cur = shared.detach() if self.detach else shared
-            with torch.set_grad_enabled(grad and not self.detach):
-                if qs.needs_query_pass and shared is None:
-                    kv = mem_kv if qmem is state.mem else None
-                    r_cur = self._core_top(tokens, qmem, None, mem_kv=kv)  # R_cur, [B, L, d]
-            if nv > 0:
-                fast = qs.fast_scores(self.summary, r_cur) if cache.backend == "torch" else None
-                q = None
-                if fast is None:  # build the queries; the fast path scores keys directly
-                    q = qs(self.summary, self._query_inputs(tokens, state, seg=seg, qmem=qmem, r_cur=r_cur))
-                c = self.spec.cache
-                selection = cache.select(
-                    q,
-                    top_k=c.top_k,
-                    alpha_norm=c.alpha_norm,
-                    t0=state.pos,
-                    theta=c.theta,
-                    count=update,
-                    score_fn=fast,
-                )
-        return r_cur, selection
-
-    def _query_inputs(
-        self, tokens: Tensor, state: CRTNState, *, seg: int, qmem: Tensor | None, r_cur: Tensor | None
-    ) -> QueryInputs:
-        """What the strategy reads; R_prev and X_{t-1} are zeros before the first segment."""
-        B = tokens.shape[0]
-        qs = self.query
-        r_prev = state.r_prev
-        if r_prev is None and self.needs_r_prev:
-            r_prev = torch.zeros(B, seg, self.d_model, dtype=self.dtype, device=tokens.device)
-        prev_tokens = state.prev_tokens
-        if prev_tokens is None and qs.needs_prev_tokens:
-            prev_tokens = torch.zeros(B, seg, dtype=tokens.dtype, device=tokens.device)
-        return QueryInputs(
-            r_cur=r_cur,
-            r_prev=r_prev,
-            core=self._core_top_detached if self.detach else self._core_top,
-            tokens=tokens,
-            prev_tokens=prev_tokens,
-            prev_states=None if qmem is None else qmem[:, :, -seg:],
-            memory_kv=self._memory_kv_detached if self.detach else self.memory_kv,
-        )
+        return (upper if below is None else below + upper[1:]), out
 
     def _renew(
-        self,
-        state: CRTNState,
-        hids: list[Tensor],
-        *,
-        seg: int,
-        L: int,
-        kv: list[Tensor] | None = None,
-        keep_slots: bool = False,
-    ) -> tuple[Tensor | None, list[Tensor] | None]:
-        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot.
-
-        ``kv`` (evaluation): per layer the projected keys and values of [S; H_t]; the new slot keeps
-        those of the retrieving layers when ``keep_slots`` (``cache.eval_kv``). Returns the new S
-        and its keys and values.
-        """
+        self, state: CRTNState, tokens: Tensor, hids: list[Tensor], *, kv: StepKV, r_cur: Tensor | None
+    ) -> CRTNState:
+        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot. Returns the
+        state after the segment (the cache renewed in place; ``r_cur``, the query pass's R_cur,
+        becomes R_prev)."""
         cache = state.cache
         assert cache is not None
+        L, seg = tokens.shape[1], seg_len(self, cache)
         cat, new_mem = self._append(state.mem, hids)
-        cat_kv, new_kv = kv, None if kv is None else keep_last(kv, self.mem_len)
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
             r = self.retrieve_from
             # every layer's states (paper); with cache.layers only those the retrieving layers read
             slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
-            key = self.slot_key(slot_states)
-            slot_kv = None
-            if cat_kv is not None and keep_slots:  # [n_kv, 2, B, H, Ls, d_h]
-                slot_kv = torch.stack([slot_layout(c, over, self.n_head) for c in cat_kv[r:]])
-            cache.insert(slot_states, key, state.pos - (cat.shape[2] - L), kv=slot_kv)
-        return new_mem, new_kv
+            cache.insert(slot_states, self.slot_key(slot_states), state.pos - (cat.shape[2] - L))
+        return CRTNState(
+            mem=new_mem,
+            mem_kv=kv.next_memory(self.mem_len),
+            pos=state.pos + L,
+            cache=cache,
+            r_prev=None if r_cur is None else r_cur.detach(),
+            prev_tokens=tokens if L == seg else None,
+        )
 
     def slot_key(self, stored: Tensor) -> Tensor | None:
         """The key of a new slot from the states the cache stores of it, [n_stored, B, Ls, d]
@@ -451,16 +288,6 @@ class CRTN(TransformerLM):
             n_ret = self.n_layer - self.retrieve_from
             return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
         return self.summary.stored_key(stored[self.key_layer - self.retrieve_from])
-
-    def _query_memory(self, state: CRTNState, L: int) -> Tensor | None:
-        """Memory of the query pass: S, and at least the stored states of X_{t-1} (docs/method.md §3 step 1)."""
-        mem, cache = state.mem, state.cache
-        if mem is not None and mem.shape[2] >= L:
-            return mem
-        if cache is not None and cache.n_insert > 0:
-            newest = cache.newest_states().to(self.dtype)
-            return newest if mem is None or mem.shape[2] == 0 else torch.cat([newest, mem], 2)
-        return mem
 
     def _core_top(
         self,
@@ -520,12 +347,3 @@ def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> C
         raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")
     key_layer = cache.key_layer if cache.key_layer is not None or gate else (below or n)
     return replace(cache, layers=layers, key_layer=key_layer)
-
-
-def _reported(sel: Selection) -> Selection:
-    """A gate's selection [B, L, G, k] as one [B, L, G*k] (the slots any head of the layer read),
-    for the retrieval statistics and recall metrics of :class:`LMOutput`."""
-    if sel.slot.dim() == 3:
-        return sel
-    flat = (sel.slot, sel.flat_index, sel.alpha, sel.age)
-    return Selection(*(t.flatten(2) for t in flat))

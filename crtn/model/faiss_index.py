@@ -10,6 +10,10 @@ from typing import Any
 
 import numpy as np
 
+#: HNSW's links per node (M), candidates explored while adding a key (efConstruction) and per
+#: search (efSearch): measured at these values in docs/results.md, "Performance"
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 64, 128
+
 
 class FaissRows:
     """One faiss inner-product index per batch row, for large N at evaluation (docs/method.md §3 backends).
@@ -20,13 +24,17 @@ class FaissRows:
     [n_insert - N, n_insert) with an ``IDSelectorRange``, and an index is rebuilt from
     the live keys once it holds 2N entries, so ids stay consistent and the work per
     step stays O(1) amortised.
+
+    Args:
+        batch_size, n_slot: B rows, N slots per row.
+        index: ``flat`` (``IndexFlatIP``, exact) or ``hnsw`` (``IndexHNSWFlat``, approximate).
     """
 
-    def __init__(self, batch_size: int, n_slot: int, opts: dict):
+    def __init__(self, batch_size: int, n_slot: int, index: str = "flat"):
         import faiss  # deferred: only the faiss backend needs it
 
         self.faiss = faiss
-        self.batch_size, self.n_slot, self.opts = batch_size, n_slot, opts
+        self.batch_size, self.n_slot, self.index = batch_size, n_slot, index
         self.indexes: list[Any] = []
         self.first_seq = 0  # sequence number of internal id 0
         self.n_seq = 0  # sequence numbers handed out
@@ -34,9 +42,9 @@ class FaissRows:
 
     def _new_index(self, d: int) -> Any:
         faiss = self.faiss
-        if self.opts.get("index", "flat") == "hnsw":
-            index = faiss.IndexHNSWFlat(d, int(self.opts.get("hnsw_m", 32)), faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = int(self.opts.get("hnsw_ef_construction", 64))
+        if self.index == "hnsw":
+            index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
             return index
         return faiss.IndexFlatIP(d)
 
@@ -67,8 +75,8 @@ class FaissRows:
         lo = max(0, n_insert - self.n_slot) - self.first_seq
         hi = n_insert - self.first_seq
         sel = faiss.IDSelectorRange(lo, hi)
-        if self.opts.get("index", "flat") == "hnsw":
-            params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(self.opts.get("hnsw_ef_search", 128)))
+        if self.index == "hnsw":
+            params = faiss.SearchParametersHNSW(sel=sel, efSearch=HNSW_EF_SEARCH)
         else:
             params = faiss.SearchParameters(sel=sel)
         B, L, _ = queries.shape

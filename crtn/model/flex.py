@@ -67,14 +67,11 @@ def check_options(model: Any) -> None:
     """The rules of ``model.flex`` (a :class:`crtn.model.spec.ModelSpec` or any object with its fields).
 
     Raises:
-        ConfigError: ``model.sdpa`` and ``model.flex`` both set; ``model.flex`` with
-            ``model.dropatt > 0`` (FlexAttention has no attention dropout); ``model.flex`` on a
+        ConfigError: ``model.flex`` with ``model.dropatt > 0`` (FlexAttention has no attention dropout); ``model.flex`` on a
             torch without FlexAttention.
     """
     if not model.flex:
         return
-    if model.sdpa:
-        raise ConfigError("model.sdpa=true and model.flex=true are two attention paths: set one of them")
     if model.dropatt > 0:
         raise ConfigError(
             f"model.flex=true has no attention dropout, but model.dropatt={model.dropatt}: "

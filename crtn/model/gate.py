@@ -21,16 +21,14 @@ where the slot's *block key* decides ``score_h`` (``summary=``):
                                                          ``summary.shift`` s the n-gram row match
                                                          of docs/method.md §3, "Summaries"
 
-Per-head selection (``query.per_head=true``): each head takes its own top-k slots by g^h (MoBA;
-landmark's ``per_token_and_head``). Shared selection (the default): the heads' scores are
-summed (per row, before the block's max) and one top-k serves every head (landmark's
-``max_over_heads`` sums, NSA sums within a head group). The selected slots' rows join that head's
-attention exactly as in step 3 (keys unweighted, values weighted by alpha), with alpha from the
-gate scores by ``cache.alpha_norm`` (times ``cache.theta``), or unweighted (``cache.weighted``).
+The heads' scores are summed (per row, before the block's max) and one top-k serves every head
+(landmark's ``max_over_heads`` sums, NSA sums within a head group). The selected slots' rows join
+the attention exactly as in step 3 (keys unweighted, values weighted by alpha), with alpha from the
+gate scores by ``cache.alpha_norm``, or unweighted (``cache.weighted``).
 
 The queries are folded into model space as in the main pass (``retrieved.py``): with
 qm_j^h = W_{k,E}^{h T} (q_j^h + u^h) in R^d, every score is a product with d-vectors of the cache,
-B L G N d multiply-adds per layer for pooled keys (G = H per head, 1 shared), and no projection
+B L N d multiply-adds per layer for pooled keys, and no projection
 of cached rows. For pre-LN, x(z) = g * n(z) + b with n the parameter-free normalisation: the
 cache stores n(z) pooled (mean or last row: linear in n(z)), and the scores use
 (g * qm) . pooled + qm . b; the rows of ``token_max`` are normalised with g and b when scored.
@@ -46,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from crtn.model.cache import SegmentCache, Selection, pick_slots, spread
+from crtn.model.cache import SegmentCache, Selection
 from crtn.model.summary import Summary, ngram_row_scores
 
 
@@ -62,8 +60,7 @@ def block_keys(states: Tensor, summary: Summary, pre_lnorm: bool, eps: float) ->
     Args:
         states: [n_ret, B, Ls, d] the slot's inputs of the retrieving layers.
         summary: the pooling (``mean``, ``last_state``); ``token_max`` keeps the rows themselves
-            (None is returned: the cache reads its stored states), and with ``summary.shortlist``
-            their mean for its first stage.
+            (None is returned: the cache reads its stored states).
         pre_lnorm: pool n(z) (pre-LN) instead of z.
 
     Returns:
@@ -79,14 +76,13 @@ class Gate:
     """What the retrieving layers need to select inside attention during one step.
 
     Attributes:
-        cache: the stream's cache (its values, block keys, positions and usage counts).
+        cache: the stream's cache (its values, block keys and positions).
         summary: the block key (module docstring).
-        top_k, alpha_norm, theta: as in :meth:`SegmentCache.choose`.
-        per_head: each head its own selection (else one shared by the heads).
+        top_k, alpha_norm: as in :meth:`SegmentCache.choose`.
         detach: no gradient from the gate scores into the layer's query q + u (``query.detach``;
             the key projection W_{k,E} still learns from them).
         first_layer: the first retrieving layer (``cache.values[0]`` holds its input).
-        t0: stream position of the segment's first token; count: update usage counts.
+        t0: stream position of the segment's first token.
         selections: the selection of every retrieving layer run so far, in order.
     """
 
@@ -94,16 +90,13 @@ class Gate:
     summary: Summary
     top_k: int
     alpha_norm: str
-    theta: float
-    per_head: bool
     detach: bool
     first_layer: int
     t0: int
-    count: bool
     selections: list[Selection] = field(default_factory=list)
 
     def select(self, attn: Any, layer: int, rw_q: Tensor, lead_q: Tensor | None) -> Selection:
-        """The selection of layer ``layer`` for every token (and head): top-k by the gate scores.
+        """The selection of layer ``layer`` for every token: top-k by the gate scores.
 
         Args:
             attn: the layer's :class:`crtn.model.attention.RelPartialLearnableMultiHeadAttn`.
@@ -112,17 +105,14 @@ class Gate:
                 memory's last rows; zeros where there is none), for an n-gram match (w > 1).
 
         Returns:
-            a :class:`Selection` of shape [B, L, G, k] (G = H per head, 1 shared), also appended
-            to :attr:`selections`.
+            a :class:`Selection` of shape [B, L, 1, k] (one group: the heads share it), also
+            appended to :attr:`selections`.
         """
         q = torch.cat([lead_q, rw_q], 1) if lead_q is not None else rw_q
         qm = fold(attn, q.detach() if self.detach else q)  # [B, Lq, H, d]; W_{k,E} keeps its gradient
-        if not self.per_head:
-            qm = qm.sum(2, keepdim=True)  # [B, Lq, 1, d]: the heads' scores summed
-        scores = self._scores(attn, layer, qm) * (self.theta / math.sqrt(attn.d_head))
-        sel = self.cache.choose(
-            scores, top_k=self.top_k, alpha_norm=self.alpha_norm, t0=self.t0, count=self.count
-        )
+        qm = qm.sum(2, keepdim=True)  # [B, Lq, 1, d]: the heads' scores summed
+        scores = self._scores(attn, layer, qm) * (1.0 / math.sqrt(attn.d_head))
+        sel = self.cache.choose(scores, top_k=self.top_k, alpha_norm=self.alpha_norm, t0=self.t0)
         self.selections.append(sel)
         return sel
 
@@ -131,16 +121,10 @@ class Gate:
         queries before the segment for an n-gram match)."""
         cache, nv = self.cache, self.cache.n_valid
         L = qm.shape[1] - self.summary.query_lead_rows
-        pooled = None
         if cache.keys is not None:  # pooled keys: [B, N, n_ret, d] -> this layer's [B, nv, d]
-            pooled = self._pooled(attn, qm[:, -L:], cache.keys[:, :nv, layer - self.first_layer])
-            if not self.summary.key_is_view:
-                return pooled
+            return self._pooled(attn, qm[:, -L:], cache.keys[:, :nv, layer - self.first_layer])
         rows = cache.layer_values(layer - self.first_layer)[:, :nv]  # [B, nv, Ls, d]
-        if pooled is None:  # the row match on every slot
-            return self._row_scores(attn, qm, rows, None)
-        short = cache.shortlist(pooled, self.summary.shortlist)  # token_max, two-stage: [B, G, M]
-        return spread(self._row_scores(attn, qm, rows, short), short, nv)
+        return self._row_scores(attn, qm, rows)  # token_max: the row match on every slot
 
     def _pooled(self, attn: Any, qm: Tensor, keys: Tensor) -> Tensor:
         """Scores [B, L, G, n] of qm [B, L, G, d] against pooled keys [B, n, d]: with pre-LN,
@@ -151,10 +135,9 @@ class Gate:
         ln = attn.layer_norm
         return torch.einsum("blgd,bnd->blgn", qm * ln.weight, keys) + (qm @ ln.bias)[..., None]
 
-    def _row_scores(self, attn: Any, qm: Tensor, rows: Tensor, short: Tensor | None) -> Tensor:
+    def _row_scores(self, attn: Any, qm: Tensor, rows: Tensor) -> Tensor:
         """token_max's row match (max over rows, or the n-gram match) of qm [B, Lq, G, d] against
-        rows [B, nv, Ls, d] (LayerNorm'ed for pre-LN), on every slot, or on the slots ``short``
-        [B, G, M] of each group: [B, L, G, nv or M]."""
+        rows [B, nv, Ls, d] (LayerNorm'ed for pre-LN), on every slot: [B, L, G, nv]."""
         B, Lq, G, d = qm.shape
         ln = attn.layer_norm
         if attn.pre_lnorm:
@@ -163,19 +146,10 @@ class Gate:
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = self.cache._lead_in(rows, self.summary.lead_rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
-        if short is None:  # every slot, the same rows for each group
-            rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
-        else:  # each group's shortlisted slots, gathered once: [B, G*M, ...] -> [B*G, M, ...]
-            rows, lead = _group_slots(rows, short), None if lead is None else _group_slots(lead, short)
+        rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
         w, s = self.summary.ngram, self.summary.shift
         scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s)  # [B*G, L, n]
         return scores.view(B, G, -1, scores.shape[-1]).transpose(1, 2)
-
-
-def _group_slots(x: Tensor, short: Tensor) -> Tensor:
-    """x [B, n, ...] of each head group's slots ``short`` [B, G, m] -> [B*G, m, ...]."""
-    B, G, m = short.shape
-    return pick_slots(x, short.reshape(B, G * m)).view(B * G, m, *x.shape[2:])
 
 
 def _per_group(x: Tensor, G: int) -> Tensor:

@@ -18,8 +18,8 @@ W_j is L x d and q_j = summary(W_j); indices below are 1-based as in docs/method
 | gate            | none here: each retrieving layer selects with its own attention queries |
 |                 | (selection inside attention, ``gate.py``; no query pass)                |
 
-``query.tanh`` applies tanh to the queries of the strategies with their own weights
-(``linear``, ``single_linear``; the authors' code always does for both).
+``single_linear`` applies tanh to its queries, as the authors' code does; ``linear`` does not
+(the authors' code applies tanh there too; the ablation in docs/results.md ran without it).
 
 All strategies are causal: q_j depends on tokens up to j only, so a partial segment
 (generation) gives the same queries as the full one. ``last_state`` takes "the row of
@@ -37,7 +37,7 @@ X_{t-1}'s tokens; ``needs_prev_states``: X_{t-1}'s stored states), its ``kind``
 (``window`` or ``token``, which decides the summaries it pairs with, see
 ``summary.py``) and whether its weights are built for one L (``length_bound``), and the
 fields of :class:`crtn.model.spec.QuerySpec` it reads (``reads``: a value other than the
-default of any other field is refused, e.g. ``query.tanh=true`` with ``query=token``) and those
+default of any other field is refused) and those
 of :class:`crtn.model.spec.SummarySpec` it leaves unused (``ignores_summary``: ``gate`` scores
 with each layer's own projections, so a summary's ``d_key`` and ``cosine`` would be ignored).
 A new strategy is one class here (plus ``conf/query/NAME.yaml``); see CONTRIBUTING.md.
@@ -188,9 +188,9 @@ class QueryStrategy(nn.Module):
     #: SummarySpec fields its summary reads that this strategy leaves unused (refused when set)
     ignores_summary: frozenset[str] = frozenset()
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
         super().__init__()
-        self.seg_len, self.tanh = seg_len, tanh
+        self.seg_len = seg_len
 
     @classmethod
     def resolve(cls, spec: QuerySpec, summary: str) -> QuerySpec:
@@ -199,8 +199,7 @@ class QueryStrategy(nn.Module):
 
         Raises:
             ConfigError: an invalid pairing (listing the valid ones); a field outside
-                :attr:`reads` set to a value other than its default, e.g.
-                ``query.tanh=true is ignored by query=token (only linear|single_linear read it)``.
+                :attr:`reads` set to a value other than its default.
         """
         if summary not in valid_summaries(cls.strategy):
             by_kind: dict[str, list[str]] = {}
@@ -240,7 +239,7 @@ class QueryStrategy(nn.Module):
     @classmethod
     def from_spec(cls, spec: QuerySpec, model: ModelSpec, d_key: int) -> QueryStrategy:
         """The strategy a resolved ``spec`` describes, producing queries of width ``d_key``."""
-        return cls(model.tgt_len, model.d_model, d_key=d_key, tanh=spec.tanh)
+        return cls(model.tgt_len, model.d_model, d_key=d_key)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         """Windows W_j [B, L', L, d] and the row of token j in each, [L'] long."""
@@ -323,21 +322,15 @@ class Linear(QueryStrategy):
     """Linear_{2L->L} along the sequence axis of Masked_j([R_prev; R_cur]) (docs/method.md §3, Query strategies)."""
 
     strategy, needs_r_prev, length_bound = "linear", True, True
-    reads = QueryStrategy.reads | {"tanh"}
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
+        super().__init__(seg_len, d_model, d_key=d_key)
         self.seq_linear = nn.Linear(2 * seg_len, seg_len)
 
     def windows(self, x: QueryInputs) -> tuple[Tensor, Tensor]:
         assert x.r_prev is not None and x.r_cur is not None
         lq = x.r_cur.shape[1]
         return linear_windows(x.r_prev, x.r_cur, self.seq_linear), torch.arange(lq, device=x.r_cur.device)
-
-    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        """The summary of each window [B, L', d_key], through tanh with ``query.tanh``."""
-        q = super().forward(summary, x)
-        return torch.tanh(q) if self.tanh else q
 
 
 class Token(QueryStrategy):
@@ -351,22 +344,20 @@ class Token(QueryStrategy):
 
 
 class SingleLinear(QueryStrategy):
-    """q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' ``single_linear``; tanh with ``query.tanh``).
+    """q_j = tanh(Linear_{d->d_key}(R_cur[j])) (the authors' ``single_linear``).
 
     The projection maps the token's top-layer state into the key space of the summary
     (d_key = d for the summaries it pairs with; keys are not projected, as in the authors' code).
     """
 
     strategy, kind = "single_linear", TOKEN
-    reads = QueryStrategy.reads | {"tanh"}
 
-    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh)
+    def __init__(self, seg_len: int, d_model: int = 0, d_key: int = 0):
+        super().__init__(seg_len, d_model, d_key=d_key)
         self.proj = nn.Linear(d_model, d_key)
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
-        q = self.proj(_with_lead_in(summary, x))
-        return torch.tanh(q) if self.tanh else q
+        return torch.tanh(self.proj(_with_lead_in(summary, x)))
 
 
 def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
@@ -382,12 +373,11 @@ def _with_lead_in(summary: Summary, x: QueryInputs) -> Tensor:
 
 class Gate(QueryStrategy):
     """Selection inside attention: every retrieving layer scores the cached segments with its own
-    attention queries and selects per head or shared (``crtn/model/gate.py``; MoBA, NSA, landmark
+    attention queries and selects one set of segments shared by the heads (``crtn/model/gate.py``; MoBA, NSA, landmark
     attention). No query pass and no queries here: the CRTN step hands the layers a
     :class:`crtn.model.gate.Gate`."""
 
     strategy, kind, needs_query_pass, in_attention = "gate", GATE, False, True
-    reads = QueryStrategy.reads | {"per_head"}
     ignores_summary = frozenset({"d_key", "cosine"})  # it scores with each layer's own projections
 
     def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
@@ -413,17 +403,14 @@ def valid_pairs() -> list[tuple[str, str]]:
     return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
 
 
-def make_query(
-    strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0, tanh: bool = False
-) -> QueryStrategy:
+def make_query(strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0) -> QueryStrategy:
     """Build the strategy registered as ``strategy`` (see :data:`STRATEGIES`) from plain values.
 
     Args:
-        seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output);
-        tanh: tanh on the queries (``query.tanh``, strategies whose ``reads`` hold it).
+        seg_len: L; d_model: d; d_key: the summary's key width (``single_linear``'s output).
 
     Raises:
         ConfigError: unknown name.
     """
     check_choice("query.strategy", strategy, STRATEGIES)
-    return STRATEGIES[strategy](seg_len, d_model, d_key=d_key, tanh=tanh)
+    return STRATEGIES[strategy](seg_len, d_model, d_key=d_key)

@@ -64,12 +64,9 @@ class ModelSpec:
     init_std: float = 0.02
     proj_init_std: float = 0.01
     layer_norm_eps: float = 1e-5
-    # attention without retrieved rows through F.scaled_dot_product_attention, the relative-position
-    # term passed as its additive mask (same results; fused kernels where the backend has them)
-    sdpa: bool = False
     # attention without retrieved rows through FlexAttention (torch >= 2.5; crtn/model/flex.py), the
     # relative-position term as its score_mod, the mask a BlockMask: fused kernels on CUDA (compiled);
-    # no attention dropout, so refused with dropatt > 0; not together with sdpa
+    # no attention dropout, so refused with dropatt > 0
     flex: bool = False
 
     def __post_init__(self) -> None:
@@ -83,15 +80,10 @@ class CacheSpec:
     n_slot: int = 8  # N: past segments held per batch row
     top_k: int = 2  # k: segments retrieved per query token
     alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
-    theta: float = 1.0  # temperature multiplying the retrieval scores before the softmax
     weighted: bool = True  # values scaled by alpha (keys never are)
     pos: str = "concat"  # concat | real: relative positions of retrieved segments
     backend: str = "torch"  # torch | faiss (faiss: alpha_norm=topk only)
     faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
-    hnsw_m: int = 32
-    hnsw_ef_search: int = 128
-    hnsw_ef_construction: int = 64
-    renew: str = "fifo"  # fifo | least_used | discard_worst
     layers: int | None = None  # retrieval in the top `layers` layers only; None: all (the paper)
     # hidden layer of keys and queries (0 embeddings .. n top); None: the top, or the input of the
     # first retrieving layer with `layers`
@@ -99,9 +91,6 @@ class CacheSpec:
     dtype: str | None = (
         None  # storage of cached values: None (the states' own) | float32 | float16 | bfloat16
     )
-    # evaluation: keep each slot's projected keys and values too (exact, 2.6x the cache's memory;
-    # docs/results.md, "Performance"); the memory's are always kept
-    eval_kv: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -116,10 +105,6 @@ class QuerySpec:
 
     strategy: str = "token"  # crtn.model.STRATEGIES; gate: selection inside attention (no query pass)
     detach: bool = False  # stop gradients from the retrieval weights into the query pass (gate: the query)
-    tanh: bool = False  # tanh on the queries (strategies with their own weights: linear, single_linear)
-    # query=gate only: each head selects its own top-k slots (MoBA); false: the heads' scores summed,
-    # one selection shared by the heads
-    per_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,7 +115,6 @@ class SummarySpec:
     # linear: output width (None: d_model); token_max: a learned map of queries and rows to d_key
     # (None: no map); ignored by the summaries without weights
     d_key: int | None = None
-    tanh: bool = False  # linear only
     # token_max: a token and the ngram-1 before it matched against aligned rows (an n-gram match;
     # 1: a single-state match); None: crtn.model.summary.DEFAULT_NGRAM (at most tgt_len)
     ngram: int | None = None
@@ -138,10 +122,6 @@ class SummarySpec:
     # that follows the match (the one to copy); 0: by the row itself and the ngram-1 before it;
     # None: crtn.model.summary.DEFAULT_SHIFT
     shift: int | None = None
-    # token_max: score every slot by its mean-pooled rows first and run the row match on the
-    # `shortlist` slots with the best pooled score of any token of the segment (a two-stage score
-    # whose cost grows with N only through the pooled score); None: the row match on every slot
-    shortlist: int | None = None
     # token_max: score by cosine similarity (queries and rows L2-normalised after the d_key maps, no
     # 1/sqrt(d_key)), so a row equal to the query scores 1, the most any row can, whatever the norms
     cosine: bool = False

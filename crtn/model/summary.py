@@ -3,7 +3,7 @@
 | summary      | of Y in R^{L x d}                                    | d_key    | pairs with      |
 |--------------|------------------------------------------------------|----------|-----------------|
 | identity     | flat(Y)                                              | L * d    | window queries  |
-| linear       | Linear(flat(Y)), tanh optional                       | d_key    | window queries  |
+| linear       | Linear(flat(Y))                                      | d_key    | window queries  |
 | last_state   | Y[L]; for a query window, the row of token j         | d        | both            |
 | mean, max    | pooling over rows                                    | d        | both            |
 | sum          | sum over rows (the authors' code)                    | d        | both            |
@@ -30,7 +30,7 @@ Each summary is a small class registered in :data:`SUMMARIES` under its config n
 - ``length_bound``: its weights are built for one segment length L, so L cannot change
   at evaluation;
 - ``reads``: the fields of :class:`crtn.model.spec.SummarySpec` it reads; a value other than
-  the default of any other field is refused (it would be ignored), e.g. ``summary.tanh=true``
+  the default of any other field is refused (it would be ignored), e.g. ``summary.ngram=8``
   with ``summary=mean``.
 
 A new summary is one class here (plus ``conf/summary/NAME.yaml``); see CONTRIBUTING.md.
@@ -59,7 +59,6 @@ class Summary(nn.Module):
         seg_len: L, rows of a segment (and of a query window).
         d_model: d, width of a row.
         d_key: output width where configurable (``linear``); None: the summary's own.
-        tanh: apply tanh to the output where supported (``linear``).
         n_head: the model's heads (the channels of ``conv``).
 
     Subclasses implement :meth:`key` and :meth:`query`; scoring is the scaled dot product
@@ -74,16 +73,13 @@ class Summary(nn.Module):
     flat: bool = False  # key = flat(Y), query = flat(W): a score is a sum of per-row products
     ngram: int = 1  # token_max: aligned tokens matched per score (``summary.ngram``)
     shift: int = 0  # token_max: 1 keys a row by the rows before it (``summary.shift``)
-    shortlist: int | None = None  # token_max: slots kept by the pooled first stage (``summary.shortlist``)
     cosine: bool = False  # token_max: cosine scores (``summary.cosine``)
     #: the SummarySpec fields this summary reads; any other set to a non-default value is refused
     reads: frozenset[str] = frozenset({"name"})
 
-    def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
-    ):
+    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, n_head: int = 1):
         super().__init__()
-        self.seg_len, self.d_model, self.tanh, self.n_head = seg_len, d_model, tanh, n_head
+        self.seg_len, self.d_model, self.n_head = seg_len, d_model, n_head
 
     @classmethod
     def resolve(cls, spec: SummarySpec, model: ModelSpec) -> SummarySpec:
@@ -105,7 +101,7 @@ class Summary(nn.Module):
         (the summary would ignore it; :func:`crtn.model.spec.first_unread`).
 
         Raises:
-            ConfigError: ``summary.tanh=true is ignored by summary=mean (only linear reads it)``.
+            ConfigError: ``summary.ngram=8 is ignored by summary=mean (only token_max reads it)``.
         """
         unread = first_unread(spec, cls.reads)
         if unread is not None:
@@ -116,7 +112,7 @@ class Summary(nn.Module):
     @classmethod
     def from_spec(cls, spec: SummarySpec, model: ModelSpec) -> Summary:
         """The summary a resolved ``spec`` describes, for segments of ``model.tgt_len`` rows."""
-        return cls(model.tgt_len, model.d_model, d_key=spec.d_key, tanh=spec.tanh, n_head=model.n_head)
+        return cls(model.tgt_len, model.d_model, d_key=spec.d_key, n_head=model.n_head)
 
     @property
     def lead_rows(self) -> int:
@@ -215,13 +211,13 @@ class Identity(Summary):
 
 
 class Linear(Summary):
-    """Linear(flat(Y)) to d_key (default d), tanh optional (docs/method.md §3, Summaries); weights built for L."""
+    """Linear(flat(Y)) to d_key (default d) (docs/method.md §3, Summaries); weights built for L."""
 
     name, kinds, length_bound = "linear", (WINDOW,), True
-    reads = Summary.reads | {"d_key", "tanh"}
+    reads = Summary.reads | {"d_key"}
 
-    def __init__(self, seg_len: int, d_model: int, d_key: int, tanh: bool = False, n_head: int = 1):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+    def __init__(self, seg_len: int, d_model: int, d_key: int, n_head: int = 1):
+        super().__init__(seg_len, d_model, d_key=d_key, n_head=n_head)
         self.proj = nn.Linear(seg_len * d_model, d_key)
 
     @classmethod
@@ -235,8 +231,7 @@ class Linear(Summary):
         return self.proj.out_features
 
     def _linear(self, flat: Tensor) -> Tensor:
-        out = self.proj(flat)
-        return torch.tanh(out) if self.tanh else out
+        return self.proj(flat)
 
     def key(self, top: Tensor) -> Tensor:
         self._check_len(top)
@@ -301,10 +296,8 @@ class WeightedSum(Summary):
 
     name, length_bound = "weighted_sum", True
 
-    def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
-    ):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, n_head: int = 1):
+        super().__init__(seg_len, d_model, d_key=d_key, n_head=n_head)
         self.row_weight = nn.Linear(seg_len, 1, bias=False)
 
     def key(self, top: Tensor) -> Tensor:
@@ -330,10 +323,8 @@ class Conv(Summary):
 
     name, length_bound = "conv", True
 
-    def __init__(
-        self, seg_len: int, d_model: int, d_key: int | None = None, tanh: bool = False, n_head: int = 1
-    ):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
+    def __init__(self, seg_len: int, d_model: int, d_key: int | None = None, n_head: int = 1):
+        super().__init__(seg_len, d_model, d_key=d_key, n_head=n_head)
         width = d_model // n_head
         self.conv = nn.Conv1d(
             n_head, n_head, kernel_size=width, stride=seg_len, padding=conv_padding(d_model, n_head)
@@ -407,11 +398,6 @@ class TokenMax(Summary):
     the copy source with every earlier use of the token, and more so the larger the cache;
     w aligned tokens make a chance match rare (docs/results.md, "Retrieval that scales").
 
-    With ``shortlist`` M (``summary.shortlist``) the score is two-stage: every slot is scored by
-    its mean-pooled rows first, <q_j, mean_r row_r> (the mean of the row scores), and the row match
-    runs on the M slots whose pooled score is the best of any token of the segment (per stream);
-    the others are not selected. The second stage then costs B L M L d whatever N is.
-
     With ``cosine`` (``summary.cosine``) every query and row is L2-normalised (after the maps P_q,
     P_k, if any) and the score is not divided by sqrt(d_key):
 
@@ -420,7 +406,7 @@ class TokenMax(Summary):
     so a row equal to the query scores 1, the most any row can: with ``cache.key_layer=0`` (the
     embeddings) the slot holding the query's own token, or its n-gram, always wins, whatever the
     norms of the embedding (a raw dot product <e_k, e_j> can exceed <e_k, e_k>). A zero row (no
-    predecessor) scores 0. The scores lie in [-1, 1]; ``cache.theta`` sets the sharpness of alpha
+    predecessor) scores 0. The scores lie in [-1, 1], so alpha is flatter than with dot products
     (docs/method.md §3, "Summaries"). Normalising reads and writes every scored row once more.
 
     With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
@@ -434,29 +420,27 @@ class TokenMax(Summary):
 
     Args (beyond :class:`Summary`'s):
         ngram: w, aligned tokens per score (``summary.ngram``, resolved); shift: s, 0 or 1.
-        shortlist: M, slots kept by the pooled first stage, or None; cosine: cosine scores.
+        cosine: cosine scores.
     """
 
     name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE), True, True
     #: what a checkpoint saved before ``summary.ngram``/``summary.shift`` existed was trained with
     LEGACY = {"ngram": 1, "shift": 0}
-    reads = Summary.reads | {"d_key", "ngram", "shift", "shortlist", "cosine"}
+    reads = Summary.reads | {"d_key", "ngram", "shift", "cosine"}
 
     def __init__(
         self,
         seg_len: int,
         d_model: int,
         d_key: int | None = None,
-        tanh: bool = False,
         n_head: int = 1,
         *,
         ngram: int,
         shift: int,
-        shortlist: int | None = None,
         cosine: bool = False,
     ):
-        super().__init__(seg_len, d_model, d_key=d_key, tanh=tanh, n_head=n_head)
-        self.ngram, self.shift, self.shortlist, self.cosine = ngram, shift, shortlist, cosine
+        super().__init__(seg_len, d_model, d_key=d_key, n_head=n_head)
+        self.ngram, self.shift, self.cosine = ngram, shift, cosine
         self.proj_q = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
         self.proj_k = None if d_key is None else nn.Linear(d_model, d_key, bias=False)
 
@@ -466,8 +450,8 @@ class TokenMax(Summary):
         ``summary.shift`` None :data:`DEFAULT_SHIFT`; ``summary.d_key`` None stays (no learned map).
 
         Raises:
-            ConfigError: ``summary.tanh`` set (:meth:`Summary.check_reads`), ngram outside
-                1..tgt_len, shift other than 0 or 1, d_key <= 0, shortlist < 1.
+            ConfigError: an option token_max does not read set (:meth:`Summary.check_reads`),
+                ngram outside 1..tgt_len, shift other than 0 or 1, d_key <= 0.
         """
         cls.check_reads(spec)
         ngram = min(DEFAULT_NGRAM, model.tgt_len) if spec.ngram is None else spec.ngram
@@ -478,8 +462,6 @@ class TokenMax(Summary):
             raise ConfigError(f"summary.shift={shift} must be 0 or 1")
         if spec.d_key is not None and spec.d_key <= 0:
             raise ConfigError(f"summary.d_key={spec.d_key} must be > 0")
-        if spec.shortlist is not None and spec.shortlist < 1:
-            raise ConfigError(f"summary.shortlist={spec.shortlist} must be >= 1 (null: no first stage)")
         return replace(spec, ngram=ngram, shift=shift)
 
     @classmethod
@@ -488,11 +470,9 @@ class TokenMax(Summary):
             model.tgt_len,
             model.d_model,
             d_key=spec.d_key,
-            tanh=spec.tanh,
             n_head=model.n_head,
             ngram=spec.ngram,
             shift=spec.shift,
-            shortlist=spec.shortlist,
             cosine=spec.cosine,
         )
 
@@ -537,24 +517,6 @@ class TokenMax(Summary):
         query, keys = self._map(query, keys)
         return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * self.scale
 
-    @property
-    def stores_key(self) -> bool:
-        """With ``shortlist``, the mean of a slot's rows is stored for the first stage."""
-        return self.shortlist is not None
-
-    def stored_key(self, top: Tensor) -> Tensor | None:
-        """The first stage's pooled rows of a new slot, top [..., L, d] -> [..., d] (the mean;
-        docs/method.md §3 "Two-stage token_max"), or None without ``shortlist`` (the cache reads
-        the rows themselves)."""
-        return top.mean(-2) if self.stores_key else None
-
-    def pooled_score(self, query: Tensor, pooled: Tensor) -> Tensor:
-        """The first stage of ``summary.shortlist``: <q_j, mean_r row_r> / sqrt(d_key) (the mean of
-        the row scores; with ``cosine`` the cosine of q_j and the mean row) of the segment's queries
-        [B, L, d] against the slots' pooled rows [B, n, d] -> [B, L, n]."""
-        query, pooled = self._map(query, pooled)
-        return torch.bmm(query, pooled.transpose(1, 2)) * self.scale
-
 
 #: every summary by its config name, in the order of docs/method.md §3
 SUMMARIES: dict[str, type[Summary]] = {
@@ -564,7 +526,7 @@ SUMMARIES: dict[str, type[Summary]] = {
 
 def make_summary(name: str, seg_len: int, d_model: int, **options: object) -> Summary:
     """The summary registered as ``name`` (:data:`SUMMARIES`) built from plain values: ``options``
-    are its constructor's keywords (``d_key``, ``tanh``, ``n_head``; token_max: ``ngram``,
+    are its constructor's keywords (``d_key``, ``n_head``; token_max: ``ngram``,
     ``shift``). Models build theirs from a resolved spec (:meth:`Summary.from_spec`).
 
     Raises:

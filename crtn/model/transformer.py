@@ -31,7 +31,7 @@ from crtn.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, 
 from crtn.model.attention import PositionalEmbedding, RelPartialLearnableDecoderLayer
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
-from crtn.model.evalkv import keep_last
+from crtn.model.evalkv import StepKV
 from crtn.model.flex import block_mask, check_options
 from crtn.model.retrieved import CacheContext, RealPositions
 from crtn.model.spec import MEM_LEN_DEFAULT, Spec
@@ -156,7 +156,6 @@ class TransformerLM(nn.Module):
                 dropfor=model.dropfor,
                 dropatt_out=model.dropatt_out,
                 locked=model.locked_dropout,
-                sdpa=model.sdpa,
                 flex=model.flex,
             )
             for _ in range(model.n_layer)
@@ -190,7 +189,7 @@ class TransformerLM(nn.Module):
             ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs;
                 ``model.same_length`` with no memory (``mem_len`` 0, or a model without memory:
                 every query would attend no position, docs/method.md §2);
-                ``model.flex`` with ``model.sdpa`` or ``model.dropatt > 0``
+                ``model.flex`` with ``model.dropatt > 0``
                 (:func:`crtn.model.flex.check_options`).
         """
         m = spec.model
@@ -413,6 +412,14 @@ class TransformerLM(nn.Module):
         """Whether this step keeps projected keys and values (evaluation without gradient)."""
         return self.eval_kv and not self.training and not torch.is_grad_enabled()
 
+    def step_kv(self, state: State, share: bool = False) -> StepKV:
+        """The memory's keys and values for this step (``evalkv.py``): at evaluation those the state
+        kept (:meth:`step_memory_kv`), and a list for the layers' new ones; in training none, or with
+        ``share`` the memory projected once for several passes over it (:meth:`memory_kv`)."""
+        if self.keeps_kv():
+            return StepKV(self.step_memory_kv(state), [])
+        return StepKV(self.memory_kv(state.mem) if share else None, None)
+
     def step_memory_kv(self, state: State) -> list[Tensor] | None:
         """The memory's keys and values for this step: those the state kept (evaluation) when they
         match its memory, else projected now (:meth:`memory_kv`)."""
@@ -457,16 +464,13 @@ class TransformerLM(nn.Module):
         B, L = tokens.shape
         if state is None:
             state = self.init_state(B, tokens.device)
-        keep = self.keeps_kv()
-        mem_kv = self.step_memory_kv(state) if keep else None
-        kv_out: list[Tensor] | None = [] if keep else None
-        hids, out = self.core(tokens, state.mem, mem_kv=mem_kv, kv_out=kv_out)
+        kv = self.step_kv(state)
+        hids, out = self.core(tokens, state.mem, mem_kv=kv.mem, kv_out=kv.out)
         nll = None if target is None else self.crit(out, target)
         if not update:
             return LMOutput(nll, out, state)
         _, new_mem = self._append(state.mem, hids)
-        new_kv = None if kv_out is None else keep_last(kv_out, self.mem_len)
-        return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L, mem_kv=new_kv))
+        return LMOutput(nll, out, State(mem=new_mem, pos=state.pos + L, mem_kv=kv.next_memory(self.mem_len)))
 
 
 class VanillaLM(TransformerLM):
