@@ -178,14 +178,8 @@ CASES = [
     Case(
         "summary option unread",
         "crtn-train",
-        [*T, "query=last_l", "summary=mean", "summary.tanh=true"],
-        ["summary.tanh=true is ignored by summary=mean (only linear reads it)"],
-    ),
-    Case(
-        "query option unread",
-        "crtn-train",
-        [*T, "query.tanh=true"],
-        ["query.tanh=true is ignored by query=token (only linear|single_linear read it)"],
+        [*T, "query=last_l", "summary=mean", "summary.ngram=8"],
+        ["summary.ngram=8 is ignored by summary=mean (only token_max reads it)"],
     ),
     Case("no cuda", "crtn-train", [*T, "train.device=cuda"], ["train.device='cuda'"]),
     # ------------------------------------------------------------------ crtn-train: corpora

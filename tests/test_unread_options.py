@@ -36,17 +36,16 @@ from tests.helpers import TINY_RUN, compose_train, run_main, tiny_cfg, tiny_mode
 #: query.detach, every summary summary.name)
 SUMMARY_READERS = {
     "d_key": {"linear", "token_max"},
-    "tanh": {"linear"},
     "ngram": {"token_max"},
     "shift": {"token_max"},
-    "shortlist": {"token_max"},
     "cosine": {"token_max"},
 }
-QUERY_READERS = {"tanh": {"linear", "single_linear"}, "per_head": {"gate"}}
+#: every strategy reads every query option today (strategy, detach); a strategy-only option joins here
+QUERY_READERS: dict[str, set[str]] = {}
 #: summary options that query=gate leaves unused (it scores with each layer's projections)
 GATE_IGNORES = {"d_key", "cosine"}
-#: a value other than the default, valid for the classes that read it (shortlist >= top_k 2)
-SAMPLE = {"d_key": 6, "tanh": True, "ngram": 2, "shift": 0, "shortlist": 2, "cosine": True, "per_head": True}
+#: a value other than the default, valid for the classes that read it
+SAMPLE = {"d_key": 6, "ngram": 2, "shift": 0, "cosine": True}
 TEXT = {True: "true"}
 
 
@@ -125,8 +124,8 @@ def test_an_option_is_refused_exactly_where_it_is_not_read(strategy, summary):
 
 def test_the_command_line_gives_the_same_refusal():
     with pytest.raises(ConfigError) as e:
-        resolve(compose_train(["query=last_l", "summary=mean", "summary.tanh=true"]))
-    assert str(e.value) == "summary.tanh=true is ignored by summary=mean (only linear reads it)"
+        resolve(compose_train(["query=last_l", "summary=mean", "summary.ngram=8"]))
+    assert str(e.value) == "summary.ngram=8 is ignored by summary=mean (only token_max reads it)"
 
 
 def _outputs(spec, tokens: torch.Tensor) -> torch.Tensor:
@@ -145,7 +144,13 @@ def _outputs(spec, tokens: torch.Tensor) -> torch.Tensor:
 REFUSED = [c for c in CASES if _expected(*c) is not None]
 #: one pair per summary and per strategy (the others repeat them)
 SHOWN = sorted({next(c for c in REFUSED if c[1] == s) for s in SUMMARIES if any(c[1] == s for c in REFUSED)})
-SHOWN += sorted({next(c for c in REFUSED if c[0] == q and c[2] == "query") for q in STRATEGIES})
+SHOWN += sorted(
+    {
+        next(c for c in REFUSED if c[0] == q and c[2] == "query")
+        for q in STRATEGIES
+        if any(c[0] == q and c[2] == "query" for c in REFUSED)
+    }
+)
 SHOWN += [c for c in REFUSED if c[0] == "gate" and c[1] == "token_max"]
 
 
@@ -161,16 +166,10 @@ def test_a_refused_option_changes_nothing(strategy, summary, group, key):
     assert torch.equal(_outputs(spec, tokens), _outputs(with_option, tokens))
 
 
-def test_shipped_single_linear_sets_tanh_it_reads():
-    assert resolve(compose_train(["query=single_linear"])).query.tanh is True
-    with pytest.raises(ConfigError, match=r"^query\.tanh=true is ignored by query=token "):
-        resolve(compose_train(["query.tanh=true"]))
-
-
 def test_models_without_a_cache_take_the_cache_groups_unchecked():
     """An experiment sweeping model=txl,crtn sets the CRTN groups for both."""
-    run = resolve(compose_train(["model=txl", "summary=mean", "query=last_l", "summary.tanh=true"]))
-    assert run.summary.tanh is True and run.model.name == "txl"
+    run = resolve(compose_train(["model=txl", "summary=mean", "query=last_l", "summary.ngram=8"]))
+    assert run.summary.ngram == 8 and run.model.name == "txl"
 
 
 def test_a_saved_config_drops_the_options_its_classes_did_not_read():

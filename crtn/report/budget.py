@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from crtn.report.jobs import METRIC_LABEL, Job, duration, fmt_metric
-from crtn.report.plots import _figure, _legend, _legend_layout, _status_suffix, _suptitle, _value_axis
+from crtn.report.plots import figure, legend, legend_layout, status_suffix, suptitle, value_axis
 
 
 def budget_groups(jobs: list[Job]) -> dict[tuple[float, str], list[Job]]:
@@ -228,9 +228,9 @@ def plot_budget(
     if not shown:
         return False
     top, step, _ = common_step(members, m)
-    labels = [j.label + _status_suffix(j) for j in shown]
-    ncol, extra = _legend_layout(labels, 12)
-    fig = _figure(12, 4.8 + extra)
+    labels = [j.label + status_suffix(j) for j in shown]
+    ncol, extra = legend_layout(labels, 12)
+    fig = figure(12, 4.8 + extra)
     axes = fig.subplots(1, 2, sharey=True)
     values = []
     for j, lab in zip(shown, labels):
@@ -251,7 +251,7 @@ def plot_budget(
     if step is not None and len(per_step) == 1 and None not in per_step:
         x = step * per_step.pop() / 1e6
         axes[1].axvline(x, color="0.3", linestyle=":", linewidth=1.2)
-    log_y = _value_axis(axes[0], values, log_ok=m == "ppl")
+    log_y = value_axis(axes[0], values, log_ok=m == "ppl")
     axes[0].set_ylabel(
         f"validation {METRIC_LABEL[m]}" + (", log scale" if log_y else "") + ", lower is better"
     )
@@ -261,8 +261,8 @@ def plot_budget(
     axes[1].set_title("equal tokens", fontsize=10)
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    _suptitle(fig, f"Validation {m} against time and tokens, budget train.max_time={budget:g}: {title}")
-    _legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
+    suptitle(fig, f"Validation {m} against time and tokens, budget train.max_time={budget:g}: {title}")
+    legend(fig, axes[0] if ncol == 0 else list(axes), ncol)
     fig.savefig(path)
     return True
 

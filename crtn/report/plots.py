@@ -31,7 +31,7 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _status_suffix(j: Job) -> str:
+def status_suffix(j: Job) -> str:
     return "" if j.status == "done" else f" ({j.status.split(':')[0]})"
 
 
@@ -68,7 +68,7 @@ def legend(fig, ax, ncol: int) -> None:
         fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=ncol, frameon=False)
 
 
-def _value_axis(ax, values: list[Any], log_ok: bool, bars: bool = False) -> bool:
+def value_axis(ax, values: list[Any], log_ok: bool, bars: bool = False) -> bool:
     """Log scale (plain tick labels) when the values span more than 3x, else linear without an
     offset; a nearly flat set of values gets a y range of at least 2% so ticks stay readable."""
     from matplotlib import ticker
@@ -122,7 +122,7 @@ def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str,
     unit, div = (
         ("s", 1.0) if max_elapsed < 120 else ("min", 60.0) if max_elapsed < 3 * 3600 else ("h", 3600.0)
     )
-    ncol, extra = legend_layout([j.label + _status_suffix(j) for j in jobs], 12)
+    ncol, extra = legend_layout([j.label + status_suffix(j) for j in jobs], 12)
     fig = figure(12, 4.6 * len(metrics) + extra)
     axes = fig.subplots(len(metrics), 2, squeeze=False)
     steps = sorted(
@@ -137,11 +137,11 @@ def plot_valid_curves(jobs: list[Job], path: Path, title: str, colors: dict[str,
             style = {"color": colors[j.name], "marker": "o", "markersize": 3.5, "linewidth": 1.6}
             if j.status != "done":
                 style["linestyle"] = "--"
-            axes[row][0].plot([r.get("step") for r in recs], y, label=j.label + _status_suffix(j), **style)
+            axes[row][0].plot([r.get("step") for r in recs], y, label=j.label + status_suffix(j), **style)
             timed = [r for r in recs if _is_num(r.get("elapsed"))]
             axes[row][1].plot([r["elapsed"] / div for r in timed], [r[f"valid_{m}"] for r in timed], **style)
         for col, ax in enumerate(axes[row]):
-            log_y = _value_axis(ax, values, log_ok=m == "ppl")
+            log_y = value_axis(ax, values, log_ok=m == "ppl")
             ax.set_ylabel(f"validation {METRIC_LABEL[m]}" + (", log scale" if log_y else ""))
             if col == 0:
                 ax.set_xlabel("training step (optimizer updates)")
@@ -270,7 +270,7 @@ def plot_freq_buckets(jobs: list[Job], path: Path, title: str, colors: dict[str,
         counts = {(fb.get(b) or {}).get("tokens") for _, fb in series}
         ticks.append(f"{b}\n({counts.pop():,} tokens)" if len(counts) == 1 and None not in counts else b)
     ax.set_xticks(range(len(buckets)), ticks)
-    log_y = _value_axis(ax, values, log_ok=True, bars=True)
+    log_y = value_axis(ax, values, log_ok=True, bars=True)
     ax.set_xlabel("occurrences of the target word in the training split (bucket)")
     splits = "/".join(sorted({str(j.final_split()) for j, _ in series}))
     ax.set_ylabel(f"{splits} perplexity" + (" (log scale)" if log_y else "") + ", lower is better")
@@ -305,7 +305,7 @@ def plot_recall(jobs: list[Job], path: Path, title: str) -> bool:
         ax.set_xlim(-0.6, n - 0.4)
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.set_xlabel("job")
-    log_y = _value_axis(ax_p, ppl_values, log_ok=True, bars=True)
+    log_y = value_axis(ax_p, ppl_values, log_ok=True, bars=True)
     ax_p.set_ylabel("perplexity" + (" (log scale)" if log_y else "") + ", lower is better")
     ax_p.set_title("perplexity on repeat vs fresh tokens", fontsize=10)
     ax_a.set_ylim(0, 1.12)
@@ -439,7 +439,7 @@ def plot_cache_extension(jobs: list[Job], path: Path, title: str) -> bool:
             ax.set_xscale("log", base=2)
         ax.set_xticks(all_n, [_n_tick(n, jobs) for n in all_n])
         ax.minorticks_off()
-        log_y = _value_axis(ax, values, log_ok=m == "ppl")
+        log_y = value_axis(ax, values, log_ok=m == "ppl")
         ax.set_xlabel("cache slots N at evaluation (eval.n_slot); below: range m + N·L in tokens")
         ax.set_ylabel(f"{split} {METRIC_LABEL[m]}" + (" (log scale)" if log_y else "") + ", lower is better")
         ax.grid(True, alpha=0.3)
