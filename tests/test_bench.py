@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from crtn.bench import main
-from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_cfg
+from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_spec
 from crtn.bench.compare import compose_bench, compose_rows
 from crtn.bench.report import check_targets
 from crtn.config import BENCH_SMOKE, BenchSpec, spec_dict
@@ -313,7 +313,7 @@ def test_fill_leaves_a_full_cache_at_consistent_positions(overrides):
     s = replace(BenchSpec(), **BENCH_SMOKE)
     n = REAL_FILL_SLOTS + 6
     case = make_case(
-        "c", model_cfg(s, "crtn", s.tgt_len, **{"cache.n_slot": n, **overrides}), s, torch.device("cpu")
+        "c", model_spec(s, "crtn", s.tgt_len, **{"cache.n_slot": n, **overrides}), s, torch.device("cpu")
     )
     stepper = Stepper(torch.device("cpu"), amp=False)
     stepper.fill(case)
