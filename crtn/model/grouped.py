@@ -91,7 +91,8 @@ class SlotGroups:
         pair = torch.full((n_tiles * size,), T * k, dtype=torch.long, device=dev)
         pair[place] = torch.arange(T * k, device=dev)
         token = torch.where(pair < T * k, pair // k, 0)
-        return cls(T, k, size, torch.repeat_interleave(slot, tiles), place, pair, token)
+        slots = torch.repeat_interleave(slot, tiles)
+        return cls(T, k, size, slots=slots, place=place, pair=pair, token=token)
 
     @property
     def n_tiles(self) -> int:
@@ -104,11 +105,12 @@ class SlotGroups:
         return self.n_tiles if values.is_cuda else max(1, min(self.n_tiles, CHUNK_VALUES // per_tile))
 
     def _rows(
-        self, values: Tensor, buf: Tensor, s: int, e: int, dtype: torch.dtype, normalize: bool, eps: float
-    ):
-        """The rows of tiles s..e-1 [e-s, Ls, d], read into ``buf``, cast to ``dtype`` and with
-        ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
-        z = torch.index_select(values, 0, self.slots[s:e], out=buf[: e - s]).to(dtype)
+        self, values: Tensor, buf: Tensor, tiles: slice, *, dtype: torch.dtype, normalize: bool, eps: float
+    ) -> Tensor:
+        """The rows of the slots of ``tiles`` [n, Ls, d], read into ``buf``, cast to ``dtype`` and
+        with ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
+        slots = self.slots[tiles]
+        z = torch.index_select(values, 0, slots, out=buf[: len(slots)]).to(dtype)
         return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
 
     def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
@@ -122,7 +124,7 @@ class SlotGroups:
         zbuf, qbuf = values.new_empty(c, Ls, d), x.new_empty(c * P, H, d)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
-            z = self._rows(values, zbuf, s, e, x.dtype, normalize, eps)
+            z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
             q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
             torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
         pairs = tiles.view(-1, H, Ls).index_select(0, self.place).view(T, self.k, H, Ls)
@@ -140,7 +142,7 @@ class SlotGroups:
         zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
-            z = self._rows(values, zbuf, s, e, y.dtype, normalize, eps)
+            z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
             torch.bmm(w.view(e - s, P * H, Ls), z, out=res[: e - s])
             out.index_add_(0, self.token[s * P : e * P], res[: e - s].view(-1, H, d))

@@ -15,7 +15,9 @@ of retrieved rows are never formed (docs/method.md §3, "Efficient main pass"):
     sum_r p_{j,r} alpha W_v z_r  =  W_v (sum_r p_{j,r} alpha z_r)  mix first, project once
 
 so each token costs O(H d) per retrieved row, and alpha scales the attention probabilities of
-its segment. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
+its segment. The products with the retrieved rows run grouped by slot, one dense product per
+tile of (token, slot) pairs of one slot (``grouped.py``), so a slot's rows are read once per tile,
+not once per token. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
 builds every context explicitly. At evaluation the slots' projected keys and values can be kept
 instead (``cache.eval_kv``, ``evalkv.py``).
 """
