@@ -7,7 +7,7 @@ B·L·k·Ls·d reads per product, four products per layer (two forward, two back
 the arithmetic into one tiny product per token.
 
 Here the (token, slot) pairs are grouped by slot, as MoBA groups the queries of a block
-(Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs", section 2.3): the
+(Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"): the
 pairs of one slot are cut into tiles of P pairs, and each tile is one dense product of its
 P·H query rows with the slot's Ls rows. A slot's rows are read once per tile instead of once
 per token; what is gathered per pair is the folded query (H·d values) or a probability row
@@ -18,8 +18,9 @@ slot among the token's selections) never enters the grouping.
 
 P is chosen per selection from a cost model (:func:`choose_tile`): a tile costs its padded
 P·H·Ls·d multiply-adds and the read of the slot's rows; with many tokens on few slots large
-tiles waste nothing, with selections spread over many slots small ones pad less. When every
-slot is its own tile the rows are read in place (no copy at all).
+tiles waste nothing, with selections spread over many slots small ones pad less. On a CPU the
+tiles run in chunks whose rows and operands (about 1 MB) are read into reused buffers that stay
+in cache (large fresh allocations cost page faults on every call).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from torch import Tensor
 
 #: tile sizes tried (pairs per tile); the largest is also capped by the largest group
 TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-#: cost of reading one tile's rows, in units of one padded pair of that tile (measured on the
-#: development machine's CPU at the standard sizes: a tile's Ls·d row copy costs about as much
-#: as the H·Ls·d multiply-adds of 4 pairs; docs/results.md, "Performance")
+#: cost of reading one tile's rows (Ls·d values), in units of one padded pair of that tile (H·Ls·d
+#: multiply-adds); a rough value: on the development machine's CPU, at the standard sizes with
+#: selections spread over the slots, tiles of 2, 4 and 8 pairs ran within noise of each other
 ROW_READ_PAIRS = 4.0
 #: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
 CHUNK_VALUES = 1 << 18
