@@ -63,6 +63,7 @@ def old_attend(commit: str):
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("retrieved_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["retrieved_before"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.attend_with_cache
 
