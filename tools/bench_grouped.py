@@ -9,7 +9,8 @@ alternating in one process, so the ratios are side by side on the same machine s
 Rows (``--rows``, comma-separated) are ``crtn-bench`` table rows at its standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
-``torch.profiler`` top operators (self CPU time) of 3 steps per case. Run it from a git
+``torch.profiler`` top operators (self CPU time) of 3 steps per case, ``--peak`` each case's peak
+step memory as ``crtn-bench`` measures it. Run it from a git
 checkout (``--before`` reads the old module with ``git show``).
 """
 
@@ -27,8 +28,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import crtn.bench.cases as cases_module
 import crtn.model.attention as attention
-from crtn.bench.cases import Stepper, make_case
+from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
 from crtn.config import BenchSpec
 
@@ -74,7 +76,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default=None, help="also time each row with this commit's retrieved.py")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--peak", action="store_true", help="peak step memory of each case (the profiler's trace)"
+    )
+    ap.add_argument(
+        "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
+    )
     a = ap.parse_args()
+    if a.random_fill:
+        cases_module.REAL_FILL_SLOTS = 2
     names = ["txl", *a.rows.split(",")]
     s = BenchSpec(rows={n: ROWS[n] for n in names})
     rows = compose_rows(s)
@@ -103,6 +113,10 @@ def main() -> None:
     for c in cases:
         m = statistics.median(c.times)
         print(f"{c.name:24s} {1000 * m:9.1f} ms  {m / ref:5.2f}x txl", flush=True)
+    if a.peak:
+        for c in cases:
+            peak = step_peak(lambda c=c: step(c), dev)
+            print(f"peak {c.name:19s} {peak / 2**20:9.1f} MB", flush=True)
     if a.profile:
         for c in cases:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
