@@ -231,27 +231,6 @@ def test_retrieval_stats_histogram():
     assert s["mean_distance_tokens"] == pytest.approx((6 + 9 + 6 + 12 + 15) / 5)
 
 
-@pytest.mark.parametrize("mode", ["scores", "mix"])
-@pytest.mark.parametrize("normalize", [False, True])
-def test_retrieved_product_matches_explicit_gather_and_gradcheck(mode, normalize):
-    """The chunked gather-product equals gathering explicitly, and its gradient is exact."""
-    import torch.nn.functional as F
-
-    from crtn.model.retrieved import retrieved_product
-
-    g = torch.Generator().manual_seed(0)
-    values = torch.randn(6, 3, 5, dtype=torch.float64, generator=g)  # 6 slots of 3 rows, d=5
-    index = torch.randint(0, 6, (7, 2), generator=g)  # 7 tokens, k=2
-    shape = (7, 2, 5) if mode == "scores" else (7, 2, 6)
-    a = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
-    z = values[index].reshape(7, 6, 5)
-    if normalize:
-        z = F.layer_norm(z, (5,))
-    ref = a @ z.transpose(1, 2) if mode == "scores" else a @ z
-    torch.testing.assert_close(retrieved_product(a, values, index, mode, normalize), ref, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x: retrieved_product(x, values, index, mode, normalize), (a,))
-
-
 def test_float16_cache_values_stay_within_1e3_of_float32():
     """Half-precision cached values (cache.dtype=float16) change the per-token NLL of a float32
     model by less than 1e-3 over many segments with a full cache."""

@@ -15,7 +15,9 @@ of retrieved rows are never formed (docs/method.md §3, "Efficient main pass"):
     sum_r p_{j,r} alpha W_v z_r  =  W_v (sum_r p_{j,r} alpha z_r)  mix first, project once
 
 so each token costs O(H d) per retrieved row, and alpha scales the attention probabilities of
-its segment. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
+its segment. The products with the retrieved rows run grouped by slot, one dense product per
+tile of (token, slot) pairs of one slot (``grouped.py``), so a slot's rows are read once per tile,
+not once per token. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
 builds every context explicitly. At evaluation the slots' projected keys and values can be kept
 instead (``cache.eval_kv``, ``evalkv.py``).
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from crtn.model.evalkv import kv_mix, kv_scores
+from crtn.model.grouped import SlotGroups, grouped_product
 
 
 @dataclass
@@ -56,6 +59,8 @@ class CacheContext:
         gate: selection inside attention (:class:`crtn.model.gate.Gate`): each retrieving layer
             selects for itself and reads :meth:`selected`; None for a query strategy's selection.
         gate_k: segments a gate selects per token (min(top_k, filled slots)).
+        groups: ``index``'s (token, slot) pairs grouped by slot (:meth:`slot_groups`), computed
+            once and shared by every layer that reads this selection; None until then.
     """
 
     values: Tensor
@@ -67,6 +72,7 @@ class CacheContext:
     kv: Tensor | None = None
     gate: Any = None
     gate_k: int = 0
+    groups: SlotGroups | None = None
 
     @property
     def k(self) -> int:
@@ -78,90 +84,19 @@ class CacheContext:
         index, alpha, age = sel.flat_index, sel.alpha, sel.age
         if index.shape[2] == 1:
             index, alpha, age = index[:, :, 0], alpha[:, :, 0], age[:, :, 0]
-        return replace(self, index=index, alpha=alpha, age=age, gate=None)
+        return replace(self, index=index, alpha=alpha, age=age, gate=None, groups=None)
+
+    def slot_groups(self) -> SlotGroups:
+        """The pairs of ``index`` (flattened to [rows, k]) grouped by slot (``grouped.py``), made on
+        the first call and kept: the query pass's selection serves every retrieving layer."""
+        if self.groups is None:
+            assert self.index is not None
+            self.groups = SlotGroups.of(self.index.reshape(-1, self.k))
+        return self.groups
 
     @property
     def seg_len(self) -> int:
         return self.values.shape[2]
-
-
-class _RetrievedProduct(torch.autograd.Function):
-    """Batched product of per-token operands with each token's retrieved rows, never materialised.
-
-    For token n, let Z_n = f(values[index[n]]) be its k retrieved segments' rows, [k*Ls, d]
-    (f: cast to the compute dtype, and a parameter-free LayerNorm when ``normalize``).
-
-        mode "scores":  a [T, H, d] -> a_n Z_n^T  [T, H, k*Ls]     (d/da: g_n Z_n)
-        mode "mix":     a [T, H, k*Ls] -> a_n Z_n  [T, H, d]       (d/da: g_n Z_n^T)
-
-    Z is gathered chunk by chunk into a small buffer that stays in cache, and gathered
-    again in backward instead of being saved: a plain gather would allocate and keep
-    T*k*Ls*d values per layer (134 MB at B=16, L=64, k=2, d=256). No gradient flows to
-    the cached values (they are gradient-stopped, docs/method.md §3). ``values`` is saved with
-    ``save_for_backward`` (no copy), so a backward pass after the cache was renewed in
-    place raises autograd's "modified by an inplace operation" error instead of
-    silently using the new values.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool, eps: float
-    ) -> Tensor:
-        ctx.mode, ctx.normalize, ctx.eps = mode, normalize, eps
-        ctx.save_for_backward(values, index)
-        T, k = index.shape
-        C, d = k * values.shape[1], values.shape[2]
-        out = a.new_empty(T, a.shape[1], C if mode == "scores" else d)
-        for s, e, z in _retrieved_chunks(values, index, a.dtype, normalize=normalize, eps=eps):
-            torch.bmm(a[s:e], z.transpose(1, 2) if mode == "scores" else z, out=out[s:e])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        values, index = ctx.saved_tensors
-        grad = grad.contiguous()
-        T = index.shape[0]
-        C, d = index.shape[1] * values.shape[1], values.shape[2]
-        out = grad.new_empty(T, grad.shape[1], d if ctx.mode == "scores" else C)
-        for s, e, z in _retrieved_chunks(values, index, grad.dtype, normalize=ctx.normalize, eps=ctx.eps):
-            torch.bmm(grad[s:e], z if ctx.mode == "scores" else z.transpose(1, 2), out=out[s:e])
-        return out, None, None, None, None, None
-
-
-def _retrieved_chunks(values: Tensor, index: Tensor, dtype: torch.dtype, normalize: bool, eps: float):
-    """Yield (start, end, Z[start:end]) with Z [end-start, k*Ls, d] gathered into a reused buffer."""
-    T, k = index.shape
-    Ls, d = values.shape[1], values.shape[2]
-    per_token = k * Ls * d
-    # CPU: ~4 MB chunks stay in cache and reuse one allocation; GPU: one chunk
-    chunk = T if values.is_cuda else max(1, min(T, (1 << 20) // per_token))
-    buf = torch.empty(chunk * k, Ls, d, dtype=values.dtype, device=values.device)
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        z = torch.index_select(values, 0, index[s:e].reshape(-1), out=buf[: (e - s) * k])
-        z = z.view(e - s, k * Ls, d).to(dtype)
-        if normalize:
-            z = F.layer_norm(z, (d,), eps=eps)
-        yield s, e, z
-
-
-def retrieved_product(
-    a: Tensor, values: Tensor, index: Tensor, mode: str, normalize: bool = False, eps: float = 1e-5
-) -> Tensor:
-    """Per-token products with the retrieved segments' rows (docs/method.md §3 step 3, the cache part of
-    the main pass), computed without materialising the gathered rows; see :class:`_RetrievedProduct`.
-
-    Args:
-        a: [T, H, d] (``mode="scores"``) or [T, H, k*Ls] (``mode="mix"``), one row per token.
-        values: [B*N, Ls, d] one layer of the cache (gradient-stopped; cast to ``a``'s dtype).
-        index: [T, k] long, rows of ``values`` retrieved by each token.
-        mode: ``"scores"`` -> [T, H, k*Ls]; ``"mix"`` -> [T, H, d].
-        normalize: apply a parameter-free LayerNorm (``eps``) to the rows first (pre-LN).
-
-    Raises:
-        RuntimeError: from ``torch.bmm`` when the shapes above do not hold.
-    """
-    return _RetrievedProduct.apply(a, values, index, mode, normalize, eps)
 
 
 def attend_with_cache(
@@ -203,7 +138,9 @@ def attend_with_cache(
         ac_c = _per_head(kv_scores, rw_q.reshape(B * L, H, dh), kv, index) if per_head else None
         ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index) if ac_c is None else ac_c
     else:
-        ac_c = _folded_scores(attn, rw_q, cache.values[layer - cache.first_layer], index)
+        values = cache.values[layer - cache.first_layer]
+        groups = cache.slot_groups()
+        ac_c = _folded_scores(attn, rw_q, values, groups)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -223,7 +160,7 @@ def attend_with_cache(
     if kv is not None:
         mixed = _per_head(kv_mix, prob_c, kv, index) if per_head else kv_mix(prob_c, kv, index)
     else:
-        mixed = _folded_mix(attn, prob_c, cache.values[layer - cache.first_layer], index)
+        mixed = _folded_mix(attn, prob_c, values, groups)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
 
@@ -238,40 +175,42 @@ def _per_head(fn: Any, a: Tensor, kv: Tensor, index: Tensor) -> Tensor:
     return out.view(T, H, -1)
 
 
-def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, index: Tensor) -> Tensor:
-    """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h],
-    values [B*N, Ls, d], index [B*L, k] (or [B*L*H, k], a selection per head) -> [B*L, H, k*Ls]."""
+def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
+    """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
+    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] (or [B*L*H, k], a selection per
+    head) -> [B*L, H, k*Ls]."""
     B, L, H, dh = rw_q.shape
     w_k = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[1]
     q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(-1, H, attn.d_model)
-    if index.shape[0] != q_model.shape[0]:  # per head: (token, head) pairs are the rows
+    if groups.n_tokens != q_model.shape[0]:  # per head: (token, head) pairs are the rows
         q_model = q_model.reshape(-1, 1, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         out = (
-            retrieved_product(q_model * g, values, index, mode="scores", normalize=True, eps=eps)
+            grouped_product(q_model * g, values, groups, to_rows=True, normalize=True, eps=eps)
             + (q_model @ b)[..., None]
         )
     else:
-        out = retrieved_product(q_model, values, index, "scores")
+        out = grouped_product(q_model, values, groups, to_rows=True)
     return out.reshape(B * L, H, -1)
 
 
-def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, index: Tensor) -> Tensor:
-    """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls],
-    values [B*N, Ls, d], index [T, k] (or [T*H, k], a selection per head) -> [T, H, d_h]."""
+def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
+    """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls], values
+    [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] (or [T*H, k], a selection per head)
+    -> [T, H, d_h]."""
     T, H = prob_c.shape[:2]
     dh = attn.d_head
     w_v = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[2]
-    p = prob_c if index.shape[0] == T else prob_c.reshape(T * H, 1, -1)
+    p = prob_c if groups.n_tokens == T else prob_c.reshape(T * H, 1, -1)
     if attn.pre_lnorm:
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         mix = (
-            retrieved_product(p, values, index, mode="mix", normalize=True, eps=eps) * g
+            grouped_product(p, values, groups, to_rows=False, normalize=True, eps=eps) * g
             + p.sum(-1, keepdim=True) * b
         )
     else:
-        mix = retrieved_product(p, values, index, "mix")  # [T, H, d] or [T*H, 1, d]
+        mix = grouped_product(p, values, groups, to_rows=False)  # [T, H, d] or [T*H, 1, d]
     return torch.einsum("nhd,hed->nhe", mix.reshape(T, H, attn.d_model), w_v)
 
 

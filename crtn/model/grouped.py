@@ -1,0 +1,210 @@
+"""Products with retrieved rows, grouped by slot (docs/method.md §3, "Efficient main pass").
+
+Every token t of a segment retrieves k cached slots, and its attention needs, per head, the
+products of its folded query (a d-vector, ``retrieved.py``) with the Ls rows of each slot, and
+later the probability-weighted sum of those rows. Gathering the k·Ls rows of d per token costs
+B·L·k·Ls·d reads per product, four products per layer (two forward, two backward), and splits
+the arithmetic into one tiny product per token.
+
+Here the (token, slot) pairs are grouped by slot, as MoBA groups the queries of a block
+(Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"): the
+pairs of one slot are cut into tiles of P pairs, and each tile is one dense product of its
+P·H query rows with the slot's Ls rows. A slot's rows are read once per tile instead of once
+per token; what is gathered per pair is the folded query (H·d values) or a probability row
+(H·Ls values). The pairs' results go back to the tokens' layout [T, H, k·Ls] (position p·Ls + r:
+row r of the token's p-th slot, oldest first), where the joint softmax with the memory and the
+current segment runs as before, so the position of a row (which depends on the rank p of its
+slot among the token's selections) never enters the grouping.
+
+P is chosen per selection from a cost model (:func:`choose_tile`): a tile costs its padded
+P·H·Ls·d multiply-adds and the read of the slot's rows; with many tokens on few slots large
+tiles waste nothing, with selections spread over many slots small ones pad less. On a CPU the
+tiles run in chunks whose rows and operands (about 1 MB) are read into reused buffers that stay
+in cache (large fresh allocations cost page faults on every call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: tile sizes tried (pairs per tile); the largest is also capped by the largest group
+TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+#: cost of reading one tile's rows (Ls·d values), in units of one padded pair of that tile (H·Ls·d
+#: multiply-adds); a rough value: on the development machine's CPU, at the standard sizes with
+#: selections spread over the slots, tiles of 2, 4 and 8 pairs ran within noise of each other
+ROW_READ_PAIRS = 4.0
+#: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
+CHUNK_VALUES = 1 << 18
+
+
+@dataclass
+class SlotGroups:
+    """The (token, slot) pairs of a selection, grouped by slot into tiles of ``size`` pairs.
+
+    Pair i = t·k + p is token t's p-th selected slot. Shapes: T tokens (rows of the selection;
+    token-and-head rows for a selection per head), k slots per token, n_t tiles of P pairs.
+
+    Attributes:
+        n_tokens: T; k: slots per token; size: P, pairs per tile.
+        slots: [n_t] long, the slot (row of the cache layer ``values``) each tile reads.
+        place: [T·k] long, where pair i sits in the tiles' pair layout [n_t·P].
+        pair: [n_t·P] long, the pair at each tile position (T·k for padding).
+        token: [n_t·P] long, the token at each tile position (0 for padding, whose products are
+            never read).
+    """
+
+    n_tokens: int
+    k: int
+    size: int
+    slots: Tensor
+    place: Tensor
+    pair: Tensor
+    token: Tensor
+
+    @classmethod
+    def of(cls, index: Tensor, size: int | None = None) -> SlotGroups:
+        """Group the selection ``index`` [T, k] (rows of a cache layer) by slot, in tiles of
+        ``size`` pairs (None: :func:`choose_tile`).
+
+        Raises:
+            ValueError: ``size`` < 1.
+        """
+        T, k = index.shape
+        dev = index.device
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        slot, count = torch.unique_consecutive(flat[order], return_counts=True)
+        size = choose_tile(count) if size is None else size
+        if size < 1:
+            raise ValueError(f"tile size {size} must be >= 1")
+        tiles = (count + size - 1) // size  # [n_groups]
+        start = torch.cumsum(count, 0) - count  # first sorted pair of each group
+        group = torch.repeat_interleave(torch.arange(len(count), device=dev), count)
+        rank = torch.arange(T * k, device=dev) - start[group]  # a pair's place in its group
+        first = (torch.cumsum(tiles, 0) - tiles)[group]  # its group's first tile
+        place = torch.empty_like(flat)
+        place[order] = first * size + rank
+        n_tiles = int(tiles.sum())
+        pair = torch.full((n_tiles * size,), T * k, dtype=torch.long, device=dev)
+        pair[place] = torch.arange(T * k, device=dev)
+        token = torch.where(pair < T * k, pair // k, 0)
+        slots = torch.repeat_interleave(slot, tiles)
+        return cls(T, k, size, slots=slots, place=place, pair=pair, token=token)
+
+    @property
+    def n_tiles(self) -> int:
+        return self.slots.shape[0]
+
+    def _chunk(self, values: Tensor, width: int) -> int:
+        """Tiles per chunk: on a CPU about 1 MB of rows and operands (``width`` values per pair),
+        so that the reused buffers stay in cache; on a GPU all of them."""
+        per_tile = values.shape[1] * values.shape[2] + self.size * width
+        return self.n_tiles if values.is_cuda else max(1, min(self.n_tiles, CHUNK_VALUES // per_tile))
+
+    def _rows(
+        self, values: Tensor, buf: Tensor, tiles: slice, *, dtype: torch.dtype, normalize: bool, eps: float
+    ) -> Tensor:
+        """The rows of the slots of ``tiles`` [n, Ls, d], read into ``buf``, cast to ``dtype`` and
+        with ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
+        slots = self.slots[tiles]
+        z = torch.index_select(values, 0, slots, out=buf[: len(slots)]).to(dtype)
+        return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
+
+    def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
+        """Products of each token's vectors with its slots' rows: x [T, H, d] -> [T, H, k·Ls],
+        out[t, h, p·Ls + r] = x[t, h] · Z_{t,p}[r] (Z_{t,p}: the rows of token t's p-th slot in
+        ``values`` [S, Ls, d])."""
+        T, H, d = x.shape
+        P, Ls = self.size, values.shape[1]
+        c = self._chunk(values, H * d)
+        tiles = x.new_empty(self.n_tiles, P * H, Ls)
+        zbuf, qbuf = values.new_empty(c, Ls, d), x.new_empty(c * P, H, d)
+        for s in range(0, self.n_tiles, c):
+            e = min(self.n_tiles, s + c)
+            z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
+            q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
+            torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
+        pairs = tiles.view(-1, H, Ls).index_select(0, self.place).view(T, self.k, H, Ls)
+        return pairs.transpose(1, 2).reshape(T, H, self.k * Ls)
+
+    def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
+        """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
+        sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`)."""
+        T, H, _ = y.shape
+        P, (Ls, d) = self.size, values.shape[1:]
+        pairs = y.new_zeros(T * self.k + 1, H, Ls)  # the last row: padding's zeros
+        pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
+        c = self._chunk(values, H * (Ls + d))
+        out = y.new_zeros(T, H, d)
+        zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
+        for s in range(0, self.n_tiles, c):
+            e = min(self.n_tiles, s + c)
+            z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
+            w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
+            torch.bmm(w.view(e - s, P * H, Ls), z, out=res[: e - s])
+            out.index_add_(0, self.token[s * P : e * P], res[: e - s].view(-1, H, d))
+        return out
+
+
+def choose_tile(count: Tensor) -> int:
+    """The tile size for groups of ``count`` [n_groups] pairs: the P of :data:`TILE_SIZES` (or the
+    largest group, when smaller) that minimises sum_g ceil(c_g / P) (P + ROW_READ_PAIRS), the
+    padded pairs plus the reads of the tiles' rows, in units of one pair's products. Ties go
+    to the smaller tile."""
+    c = count.to("cpu", torch.long)
+    largest = int(c.max())
+    sizes = torch.tensor([P for P in TILE_SIZES if P < largest] + [min(largest, TILE_SIZES[-1])])
+    tiles = ((c[None, :] + sizes[:, None] - 1) // sizes[:, None]).sum(1)  # [n_sizes]
+    cost = tiles.double() * (sizes.double() + ROW_READ_PAIRS)
+    return int(sizes[int(cost.argmin())])  # the first minimum: the smaller tile
+
+
+class _TileProduct(torch.autograd.Function):
+    """:meth:`SlotGroups.to_rows` (``to_rows``) or :meth:`SlotGroups.from_rows` of x with the
+    rows of the cache layer ``values`` (gradient-stopped); each is the other's backward, which
+    reads the rows again instead of saving them. ``values`` is saved with ``save_for_backward``
+    (no copy), so a backward pass after the cache was renewed in place raises autograd's
+    "modified by an inplace operation" error instead of silently using the new values."""
+
+    @staticmethod
+    def forward(ctx, x, values, groups, to_rows, normalize, eps):  # noqa: D102
+        ctx.groups, ctx.to_rows, ctx.normalize, ctx.eps = groups, to_rows, normalize, eps
+        ctx.save_for_backward(values)
+        product = groups.to_rows if to_rows else groups.from_rows
+        return product(x, values, normalize, eps)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (values,) = ctx.saved_tensors
+        g: SlotGroups = ctx.groups
+        adjoint = g.from_rows if ctx.to_rows else g.to_rows
+        return adjoint(grad.contiguous(), values, ctx.normalize, ctx.eps), None, None, None, None, None
+
+
+def grouped_product(
+    x: Tensor,
+    values: Tensor,
+    groups: SlotGroups,
+    *,
+    to_rows: bool,
+    normalize: bool = False,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Products of per-token operands with the rows of each token's retrieved slots, grouped by
+    slot (module docstring; docs/method.md §3, "Efficient main pass").
+
+    Args:
+        x: [T, H, d] (``to_rows``: scores of folded queries) or [T, H, k·Ls] (mixing weights).
+        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype).
+        groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`).
+        to_rows: True -> [T, H, k·Ls]; False -> [T, H, d].
+        normalize, eps: a parameter-free LayerNorm of the rows (pre-LN).
+
+    Raises:
+        RuntimeError: from ``torch.bmm`` when the shapes above do not hold.
+    """
+    return _TileProduct.apply(x, values, groups, to_rows, normalize, eps)

@@ -1,0 +1,129 @@
+"""Retrieved rows grouped by slot (crtn/model/grouped.py; docs/method.md §3, "Efficient main pass").
+
+The products are checked against gathering every token's rows explicitly, the tile layout and
+the tile size against values worked out by hand, and the model that uses them against the naive
+per-token float64 references (tests/reference.py, tests/reference_gate.py) to 1e-10 in outputs
+and parameter gradients, with tile sizes and chunks forced small so that slots span several
+tiles, tiles hold padding, and the rows are read in several chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import crtn.model.grouped as grouped
+from crtn.model.grouped import SlotGroups, choose_tile, grouped_product
+from tests.test_crtn_reference import run_both
+
+ATOL = 1e-10
+
+
+def _explicit(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, to_rows: bool, normalize: bool):
+    """The products by gathering every token's k·Ls rows (the definition)."""
+    T, k = index.shape
+    z = values[index].reshape(T, k * values.shape[1], values.shape[2])
+    if normalize:
+        z = F.layer_norm(z, (z.shape[-1],))
+    return x @ z.transpose(1, 2) if to_rows else x @ z
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 64, None])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
+def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, monkeypatch):
+    """Every tile size (1: no padding; 2, 3: slots over several tiles, padding; 64: one tile per
+    slot; None: the cost model's), rows read one tile per chunk, a token selecting a slot twice,
+    heads 3; values and gradients to 1e-12 in float64, and gradcheck."""
+    monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)  # 6 slots of 4 rows, d = 5
+    index = torch.randint(0, 6, (9, 2), generator=g)  # 9 tokens, k = 2
+    index[0] = 3  # a slot twice
+    shape = (9, 3, 5) if to_rows else (9, 3, 8)
+    x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+    groups = SlotGroups.of(index, size=size)
+    out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = _explicit(x_ref, values, index, to_rows, normalize)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    fn = lambda y: grouped_product(y, values, groups, to_rows=to_rows, normalize=normalize)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
+
+
+def test_slot_groups_layout_by_hand():
+    """Tokens 0..2 select slots [0, 2], [2, 3], [2, 0]: pairs t·k + p = 0..5. With tiles of 2
+    pairs, slot 0 holds pairs 0 and 5 (one tile), slot 2 pairs 1, 2, 4 (two tiles, the second
+    padded), slot 3 pair 3 (one padded tile)."""
+    groups = SlotGroups.of(torch.tensor([[0, 2], [2, 3], [2, 0]]), size=2)
+    assert groups.slots.tolist() == [0, 2, 2, 3]
+    assert groups.place.tolist() == [0, 2, 3, 6, 4, 1]
+    assert groups.pair.tolist() == [0, 5, 1, 2, 4, 6, 3, 6]  # 6 = T·k: padding
+    assert groups.token.tolist() == [0, 2, 0, 1, 2, 0, 1, 0]
+
+
+def test_choose_tile_by_hand():
+    """Groups of 10, 1 and 1 pairs, a row read costing 4 pairs: P = 1 costs 12·5 = 60, P = 2
+    7·6 = 42, P = 4 5·8 = 40, P = 8 4·12 = 48, P = 10 (the largest group) 3·14 = 42: P = 4.
+    Groups of 6 and 6: P = 6 costs 2·10 = 20, P = 4 4·8 = 32: the largest group."""
+    assert grouped.ROW_READ_PAIRS == 4.0
+    assert choose_tile(torch.tensor([10, 1, 1])) == 4
+    assert choose_tile(torch.tensor([6, 6])) == 6
+    assert choose_tile(torch.tensor([1, 1, 1])) == 1
+
+
+def test_bad_tile_size_raises():
+    with pytest.raises(ValueError, match="tile size 0"):
+        SlotGroups.of(torch.tensor([[0, 1]]), size=0)
+
+
+GATE = {"query.strategy": "gate"}
+#: both retrievers (the query pass's selection shared by the layers; each layer's own, shared by
+#: the heads or per head), alpha variants, k = 1 and k > filled slots, cache.layers, pre-LN (the
+#: rows normalised per chunk), unweighted values and real positions
+MODELS = {
+    "query_all": {},
+    "query_topk_k1": {"cache.alpha_norm": "topk", "cache.top_k": 1},
+    "query_original_layers_1": {"cache.alpha_norm": "original", "cache.layers": 1},
+    "query_token_max_pre_ln": {"summary.name": "token_max", "model.pre_lnorm": True},
+    "query_k_gt_n_mem0": {"cache.n_slot": 2, "cache.top_k": 3, "model.mem_len": 0},
+    "query_real_unweighted": {"cache.pos": "real", "cache.weighted": False},
+    "gate_mean": {**GATE, "summary.name": "mean"},
+    "gate_token_max_topk_k1": {
+        **GATE,
+        "summary.name": "token_max",
+        "cache.alpha_norm": "topk",
+        "cache.top_k": 1,
+    },
+    "gate_original_layers_2_of_3": {
+        **GATE,
+        "summary.name": "mean",
+        "cache.alpha_norm": "original",
+        "model.n_layer": 3,
+        "cache.layers": 2,
+    },
+    "gate_per_head_pre_ln": {
+        **GATE,
+        "summary.name": "last_state",
+        "query.per_head": True,
+        "model.pre_lnorm": True,
+    },
+    "gate_k_gt_n": {**GATE, "summary.name": "mean", "cache.n_slot": 2, "cache.top_k": 3, "model.mem_len": 6},
+}
+
+
+@pytest.mark.parametrize("size", [1, 2, None], ids=["tile1", "tile2", "chosen"])
+@pytest.mark.parametrize("variant", list(MODELS.values()), ids=list(MODELS))
+def test_model_matches_the_naive_reference_to_1e_10(variant, size, monkeypatch):
+    """NLL, selections and every parameter gradient against the per-token float64 reference,
+    over segments that fill the cache (fewer filled slots than k at first) and evict, with the
+    rows read one tile per chunk."""
+    monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
+    if size is not None:
+        monkeypatch.setattr(grouped, "choose_tile", lambda count: size)
+    run_both(steps=6, grad=True, atol=ATOL, grad_atol=ATOL, **variant)

@@ -1,0 +1,132 @@
+"""Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
+grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
+with that commit's ``crtn/model/retrieved.py`` (the per-token product it replaced), every case
+alternating in one process, so the ratios are side by side on the same machine state.
+
+    OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
+    OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_tm_l2 --profile
+
+Rows (``--rows``, comma-separated) are ``crtn-bench`` table rows at its standard sizes
+(``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
+``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
+``torch.profiler`` top operators (self CPU time) of 3 steps per case, ``--peak`` each case's peak
+step memory as ``crtn-bench`` measures it. Run it from a git
+checkout (``--before`` reads the old module with ``git show``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import crtn.bench.cases as cases_module
+import crtn.model.attention as attention
+from crtn.bench.cases import Stepper, make_case, step_peak
+from crtn.bench.compare import compose_rows
+from crtn.config import BenchSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = {
+    "txl": ["model=txl"],
+    "default": ["model=crtn"],
+    "crtn_original": ["model=crtn_original"],
+    "gate_tm": ["model=crtn", "query=gate", "summary=token_max"],
+    "gate_tm_l2": ["model=crtn", "query=gate", "summary=token_max", "cache.layers=2"],
+    "ngram8": [
+        "model=crtn",
+        "cache.key_layer=0",
+        "summary.ngram=8",
+        "summary.cosine=true",
+        "cache.top_k=1",
+        "cache.alpha_norm=topk",
+    ],
+}
+
+
+def old_attend(commit: str):
+    """``attend_with_cache`` of ``crtn/model/retrieved.py`` at ``commit``."""
+    text = subprocess.run(
+        ["git", "show", f"{commit}:crtn/model/retrieved.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "retrieved_before.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("retrieved_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["retrieved_before"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.attend_with_cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="default,crtn_original,gate_tm,gate_tm_l2,ngram8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", default=None, help="also time each row with this commit's retrieved.py")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--peak", action="store_true", help="peak step memory of each case (the profiler's trace)"
+    )
+    ap.add_argument(
+        "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
+    )
+    a = ap.parse_args()
+    if a.random_fill:
+        cases_module.REAL_FILL_SLOTS = 2
+    names = ["txl", *a.rows.split(",")]
+    s = BenchSpec(rows={n: ROWS[n] for n in names})
+    rows = compose_rows(s)
+    dev = torch.device("cpu")
+    cases = [make_case(r.name, r.spec, s, device=dev) for r in rows]
+    attend = {"": attention.attend_with_cache}
+    if a.before:
+        attend["_before"] = old_attend(a.before)
+        cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows[1:]]
+    stepper = Stepper(dev, amp=False)
+
+    def step(c) -> None:
+        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
+        stepper(c)
+
+    for c in cases:
+        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
+        stepper.fill(c)
+        step(c)
+    for _ in range(a.rounds):
+        for c in cases:
+            t = time.perf_counter()
+            step(c)
+            c.times.append(time.perf_counter() - t)
+    ref = statistics.median(cases[0].times)
+    for c in cases:
+        m = statistics.median(c.times)
+        print(f"{c.name:24s} {1000 * m:9.1f} ms  {m / ref:5.2f}x txl", flush=True)
+    if a.peak:
+        for c in cases:
+            peak = step_peak(lambda c=c: step(c), dev)
+            print(f"peak {c.name:19s} {peak / 2**20:9.1f} MB", flush=True)
+    if a.profile:
+        for c in cases:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    step(c)
+            print(
+                f"===== {c.name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+            )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
