@@ -157,6 +157,7 @@ class Gate:
         [B, G, M] of each group: [B, L, G, nv or M]."""
         B, Lq, G, d = qm.shape
         ln = attn.layer_norm
+        rows = rows.to(qm.dtype)  # the cache may store values in another dtype (cache.dtype)
         if attn.pre_lnorm:
             rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
         lead = None

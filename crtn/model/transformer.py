@@ -186,6 +186,7 @@ class TransformerLM(nn.Module):
 
         Raises:
             ConfigError: a size that is not positive, a rate outside [0, 1), bad cutoffs or tie_projs;
+                ``same_length`` without a memory (every position would be hidden);
                 ``model.flex`` with ``model.sdpa`` or ``model.dropatt > 0``
                 (:func:`crtn.model.flex.check_options`).
         """
@@ -197,6 +198,11 @@ class TransformerLM(nn.Module):
         mem_len = m.tgt_len if m.mem_len == MEM_LEN_DEFAULT else m.mem_len
         if mem_len < 0:
             raise ConfigError(f"model.mem_len={mem_len} must be >= 0")
+        if m.same_length and (mem_len == 0 or not cls.has_memory):
+            raise ConfigError(
+                f"model.same_length=true needs a memory (model.mem_len > 0; model={m.name}, mem_len={mem_len}): "
+                "it hides every position at distance >= mem_len, so a token would see nothing"
+            )
         if m.d_embed is not None and m.d_embed <= 0:
             raise ConfigError(f"model.d_embed={m.d_embed} must be > 0")
         for key in ("dropout", "dropatt", "dropemb", "dropinp", "dropfor", "dropatt_out"):
