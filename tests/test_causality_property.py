@@ -27,8 +27,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crtn.model import Spec, build_model, evaluation_spec, valid_pairs, with_spec
-from tests.config_space import OVERRIDES, V, Tally, configs, field_strategy, schema_keys
+from crtn.errors import ConfigError
+from crtn.model import (
+    ModelSpec,
+    Spec,
+    build_model,
+    evaluation_spec,
+    resolve_spec,
+    valid_pairs,
+    with_spec,
+)
+from tests.config_space import OVERRIDES, Tally, Underivable, V, configs, derived, field_strategy, schema_keys
 
 FLIPPED = 2  # segments at the end whose every position is changed
 ATOL = 1e-10  # float64: the same computation in another batch row may round differently
@@ -151,3 +160,55 @@ def test_no_prediction_reads_a_later_token_or_another_stream(fixed):
     check()
     assert tally.counts["accepted"] >= n, tally.counts
     assert tally.counts["discarded"] <= tally.counts["drawn"] // 2, f"most drawn configurations refused: {tally.counts}"
+
+
+# ------------------------------------------------------------------------------ the sampler itself
+def test_every_schema_field_has_a_strategy():
+    """Every field of the four spec groups gets a strategy (derived, or an override); a field
+    added to the schema without one fails here, naming itself."""
+    for key in schema_keys():
+        field_strategy(key)  # raises Underivable
+    assert not set(OVERRIDES) - set(schema_keys()), "overrides of fields the schema no longer has"
+
+
+def test_a_field_of_an_underivable_type_fails_loudly():
+    with pytest.raises(Underivable, match="model.bogus"):
+        derived("model.bogus", float)
+    with pytest.raises(Underivable, match="model.bogus"):
+        derived("model.bogus", list[int])
+
+
+def test_the_sampler_covers_the_option_space():
+    """300 draws (resolution only, no model): most drawn configurations are accepted, and every
+    field with more than one possible value is seen with several, among them the edges the
+    causality checks are about."""
+    tally, specs = Tally(), []
+
+    @settings(max_examples=300, **PROFILE)
+    @given(configs(tally))
+    def draw(drawn):
+        specs.append(drawn[0])
+
+    draw()
+    assert tally.counts["discarded"] < tally.counts["drawn"] // 4, tally.counts
+    for key in schema_keys():
+        if key not in OVERRIDES or not repr(OVERRIDES[key]).startswith(("just(", "none()")):
+            assert len(tally.seen[key]) >= 2, f"{key} only ever took {tally.seen[key]}"
+    crtn = [s for s in specs if s.model.name == "crtn"]  # the pairs: CASES, from the registries
+    assert any(s.model.mem_len == 0 and s.cache.enabled for s in crtn)
+    assert any(s.cache.key_layer == 0 for s in crtn)
+    assert any(s.cache.layers is not None and s.cache.layers < s.model.n_layer for s in crtn)
+
+
+@pytest.mark.parametrize("name,mem_len", [("vanilla", 3), ("txl", 0), ("crtn", 0)])
+def test_same_length_without_a_memory_is_refused(name, mem_len):
+    """``same_length`` hides every position at distance >= mem_len: with no memory a token would
+    see nothing and every output would be NaN (what the sampler found); resolution refuses it,
+    at evaluation too."""
+    spec = Spec(model=ModelSpec(name=name, mem_len=mem_len, same_length=True))
+    with pytest.raises(ConfigError, match=r"^model\.same_length=true needs a memory"):
+        resolve_spec(spec)
+    if name != "vanilla":
+        ok = resolve_spec(Spec(model=ModelSpec(name=name, mem_len=mem_len, tgt_len=4)))
+        with pytest.raises(ConfigError, match=r"^eval\.same_length=true needs a memory"):
+            evaluation_spec(ok, SimpleNamespace(same_length=True))

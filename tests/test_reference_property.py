@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.config_space import V, Tally, configs
+from tests.config_space import Tally, V, configs
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate
 from tests.test_causality_property import CASES, PROFILE, _describe, segments_to_fill, tiny
