@@ -79,7 +79,8 @@ OVERRIDES: dict[str, Any] = {
     "model.cutoffs": st.sampled_from([(), (4,), (3, 7)]),  # adaptive softmax over V = 11 tokens
     "model.div_val": st.integers(1, 2),
     "model.tie_projs": lambda c: st.one_of(
-        st.none(), st.lists(st.booleans(), min_size=len(c["model.cutoffs"]) + 1, max_size=len(c["model.cutoffs"]) + 1)
+        st.none(),
+        st.lists(st.booleans(), min_size=len(c["model.cutoffs"]) + 1, max_size=len(c["model.cutoffs"]) + 1),
     ),
     # FlexAttention runs unfused on CPU, ~10x the plain path's cost: one draw in eight
     "model.flex": st.sampled_from([False] * 7 + [True]),
@@ -197,7 +198,9 @@ def configs(
     values: dict[str, Any] = {}
     for key in schema_keys():
         strategy = field_strategy(key)
-        values[key] = fixed[key] if key in fixed else draw(strategy(values) if callable(strategy) else strategy)
+        values[key] = (
+            fixed[key] if key in fixed else draw(strategy(values) if callable(strategy) else strategy)
+        )
     tally.counts["drawn"] += 1
     for _ in range(REPAIRS):
         try:

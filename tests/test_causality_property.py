@@ -94,7 +94,11 @@ def check_causal(model, tokens: torch.Tensor, stream: int, first: int, label: st
     for a, b in zip(alone, together):
         assert torch.isfinite(b).all(), f"{label}: an output is NaN or infinite"
         torch.testing.assert_close(
-            b[:B], a, rtol=0, atol=ATOL, msg=lambda m: f"{label}: a stream moved when changed copies joined: {m}"
+            b[:B],
+            a,
+            rtol=0,
+            atol=ATOL,
+            msg=lambda m: f"{label}: a stream moved when changed copies joined: {m}",
         )
     h, logp = together
     for i, p in enumerate(positions):
@@ -109,7 +113,9 @@ def check_causal(model, tokens: torch.Tensor, stream: int, first: int, label: st
         assert (h[B + i, p] - h[stream, p]).abs().max() > 1e-6, f"{label}: the change at {p} is not seen"
 
 
-def check_configuration(spec, seed: int, n_stream: int, stream: int, extra_slots: int, extra_mem: int) -> None:
+def check_configuration(
+    spec, seed: int, n_stream: int, stream: int, extra_slots: int, extra_mem: int
+) -> None:
     """The three checks of the module docstring for one resolved ``spec``."""
     model = tiny(spec, seed)
     L = model.tgt_len
@@ -159,7 +165,9 @@ def test_no_prediction_reads_a_later_token_or_another_stream(fixed):
 
     check()
     assert tally.counts["accepted"] >= n, tally.counts
-    assert tally.counts["discarded"] <= tally.counts["drawn"] // 2, f"most drawn configurations refused: {tally.counts}"
+    assert tally.counts["discarded"] <= tally.counts["drawn"] // 2, (
+        f"most drawn configurations refused: {tally.counts}"
+    )
 
 
 # ------------------------------------------------------------------------------ the sampler itself

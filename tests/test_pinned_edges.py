@@ -27,7 +27,12 @@ def test_key_layer_zero_keys_are_summaries_of_the_embeddings(summary):
     """With ``cache.key_layer=0`` every cached key is the summary of its segment's embeddings
     (layer 0, ``word_emb`` of the segment's tokens), not of the top layer (what an unset key layer
     gives): mean keys are stored, token_max's are the rows of the key layer themselves."""
-    overrides = {"model.name": "crtn", "model.n_layer": 2, "cache.key_layer": KEY_LAYER, "summary.name": summary}
+    overrides = {
+        "model.name": "crtn",
+        "model.n_layer": 2,
+        "cache.key_layer": KEY_LAYER,
+        "summary.name": summary,
+    }
     if summary == "mean":
         overrides["query.strategy"] = "middle_l"
     model = tiny_model(V, **overrides)
@@ -67,7 +72,9 @@ def test_answers_by_gap_at_every_bucket_edge():
     sums = AnswerSums(SimpleNamespace(name="mqar", info={"gap_buckets": buckets, "n_values": 4}), "cpu")
     label = torch.from_numpy(gaps)[None]
     nll = torch.arange(len(gaps), dtype=torch.float64)[None]  # the loss names the position
-    answer, _ = sums.update(label, torch.zeros_like(label).long(), nll, torch.zeros_like(label).long(), t0=200)
+    answer, _ = sums.update(
+        label, torch.zeros_like(label).long(), nll, torch.zeros_like(label).long(), t0=200
+    )
     assert int(answer.sum()) == 7
     by_gap = sums.metrics()["answers"]["by_gap"]
     assert {k: e["tokens"] for k, e in by_gap.items()} == want
