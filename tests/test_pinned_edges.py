@@ -1,6 +1,6 @@
 """Three behaviours pinned at their edges: a key layer of 0 (the embeddings, not "unset"), MQAR's
 answers by gap bucket at every bucket edge, and the distance buckets of an evaluation whose
-streams are split across processes (docs/method.md §3 "Cache", §4 MQAR, §5 distance buckets)."""
+streams are split across processes (docs/method.md §3, §4 and §5)."""
 
 from __future__ import annotations
 
