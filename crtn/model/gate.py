@@ -140,6 +140,7 @@ class Gate:
         rows [B, nv, Ls, d] (LayerNorm'ed for pre-LN), on every slot: [B, L, G, nv]."""
         B, Lq, G, d = qm.shape
         ln = attn.layer_norm
+        rows = rows.to(qm.dtype)  # the cache may store values in another dtype (cache.dtype)
         if attn.pre_lnorm:
             rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
         lead = None
