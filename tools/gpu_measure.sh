@@ -26,7 +26,7 @@ python3 tools/gpu_attention_check.py --out "$OUT/flex_check.md" > "$OUT/flex_che
 RUNS=${RUNS:-/tmp/equal_time}
 # shellcheck disable=SC2086
 for m in txl crtn; do
-    crtn-train +experiment=wt2_char_large model=$m train.device=cuda optim.scheduler=inv_sqrt \
+    crtn-train +experiment=wt2_char_large model=$m train.device=cuda optim.scheduler=inv_sqrt data.root="${CRTN_DATA:-data}" \
         train.max_step=100000 train.max_time="$T" train.eval_interval=500 train.progress=false \
         hydra.run.dir="$RUNS/$m" > "$OUT/equal_time_$m.log" 2>&1 &
 done
