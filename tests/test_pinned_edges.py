@@ -12,8 +12,7 @@ import torch
 
 from crtn.analysis.distance import DistanceBuckets
 from crtn.data import make_synthetic
-from crtn.data.mqar import _split_stats, gap_buckets, make_mqar
-from crtn.measures import AnswerSums
+from crtn.data.mqar import AnswerSums, _split_stats, gap_buckets, make_mqar
 from tests.helpers import tiny_model
 from tests.test_mqar import TINY_MQAR
 
@@ -58,7 +57,7 @@ def test_key_layer_zero_keys_are_summaries_of_the_embeddings(summary):
 
 def test_answers_by_gap_at_every_bucket_edge():
     """Both countings of MQAR answers by gap (the corpus statistics of crtn/data/mqar.py and the
-    evaluation sums of crtn/measures.py) put a gap equal to a bucket's low or high edge in that
+    evaluation sums of crtn/data/mqar.py) put a gap equal to a bucket's low or high edge in that
     bucket, and their buckets sum to the number of answers."""
     buckets = gap_buckets(20, 100)
     assert buckets == [(20, 39), (40, 79), (80, 100)]
