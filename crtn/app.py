@@ -5,7 +5,7 @@ check of a composed config against its schema, and the Hydra entry point that ti
     def main() -> None:
         run_app("crtn-eval", "eval", run_eval, record_status=True)
 
-:func:`run_app` registers the schemas (:func:`crtn.config.register_configs`), runs
+:func:`run_app` registers the schemas (:func:`crtn.app_config.register_configs`), runs
 ``hydra.main`` with the app's primary config ``conf/<config_name>.yaml``, and calls the task
 with the composed config after :func:`check_keys`: Hydra's ``+key=value`` adds keys even to
 struct-mode nodes, so an unknown key is caught here, as a one-line error, in every group.
@@ -35,8 +35,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from crtn.app_config import APP_SCHEMAS, register_configs
 from crtn.checkpoint import checkpoint_spec, load_checkpoint
-from crtn.config import APP_SCHEMAS, ResolvedRun, check_eval_cache, register_configs
+from crtn.config import ResolvedRun, check_eval_cache
 from crtn.errors import ConfigError, UserError
 from crtn.rundir import RunDirLocked, lock_run_dir, previous_run
 from crtn.utils import atomic_write, atomic_write_text, tune_allocator
@@ -220,7 +221,7 @@ def run_app(
     prog: str, config_name: str, task: Callable[[Any], Any], record_status: bool = False, lock: bool = False
 ) -> None:
     """The entry point of a Hydra app: compose ``conf/<config_name>.yaml`` from the command line,
-    check it against its schema (:data:`crtn.config.APP_SCHEMAS`) and run ``task(cfg)``.
+    check it against its schema (:data:`crtn.app_config.APP_SCHEMAS`) and run ``task(cfg)``.
 
     User errors print as one line ``PROG: error: ...`` (exit status 2); with ``record_status``
     the run directory also gets ``status.json`` and with ``lock`` is locked for the process

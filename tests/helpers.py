@@ -104,7 +104,7 @@ def compose_train(overrides: list[str]):
     """``crtn-train``'s config as its command line composes it from ``overrides`` (no Hydra run)."""
     from hydra import compose, initialize_config_module
 
-    from crtn.config import register_configs
+    from crtn.app_config import register_configs
 
     register_configs()
     with initialize_config_module("crtn.conf", version_base="1.3"):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from crtn.app import unknown_keys
-from crtn.config import ConvertAppSpec, RunSpec
+from crtn.app_config import ConvertAppSpec
+from crtn.config import RunSpec
 from tests.helpers import TINY_RUN, cli
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from crtn.app_config import BENCH_SMOKE, BenchSpec
 from crtn.bench import main
 from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_spec
 from crtn.bench.compare import compose_bench, compose_rows
 from crtn.bench.report import check_targets
-from crtn.config import BENCH_SMOKE, BenchSpec, spec_dict
+from crtn.config import spec_dict
 from crtn.errors import ConfigError
 from crtn.model import resolve_spec
 from tests.helpers import compose_train, run_main
@@ -35,7 +36,7 @@ ASKED = [
     "query=last_l",
     "summary=identity",
 ]
-#: the smoke sizes (crtn.config.BENCH_SMOKE) as crtn-train overrides: a table row's sizes
+#: the smoke sizes (crtn.app_config.BENCH_SMOKE) as crtn-train overrides: a table row's sizes
 SMOKE_SIZES = [
     "model.n_layer=2",
     "model.d_model=32",

@@ -10,17 +10,9 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from crtn.app_config import APP_SCHEMAS, BenchSpec, pair_options, register_configs
 from crtn.bench.cases import model_cfg, size_overrides
-from crtn.config import (
-    APP_SCHEMAS,
-    STRATEGIES,
-    BenchSpec,
-    RunSpec,
-    default_summary,
-    pair_options,
-    register_configs,
-    train_config,
-)
+from crtn.config import STRATEGIES, RunSpec, default_summary, train_config
 from crtn.data import load_corpus
 from crtn.errors import ConfigError
 from crtn.model import resolve_spec, valid_pairs, valid_summaries

@@ -66,3 +66,34 @@ def test_method_citation_names_a_section(where, groups):
     assert any(t.startswith(title) for t in [*titles, *bold]), (
         f"{where}: method.md §{section} has no {title!r}"
     )
+
+
+def anchor(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation other than '-' and '_' dropped,
+    spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+LINKS = re.compile(r"\]\((?:docs/)?results\.md#([^)]+)\)")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/findings.md"])
+def test_links_into_results_name_a_heading(doc):
+    """Every ``results.md#anchor`` link of the README and the findings resolves to a heading."""
+    links = LINKS.findall((REPO / doc).read_text())
+    assert links, f"{doc} links no results.md section"
+    anchors = {anchor(h) for h in headings("results.md")}
+    missing = sorted(set(links) - anchors)
+    assert not missing, f"{doc}: results.md has no heading for {missing}"
+
+
+def test_the_readme_python_api_runs():
+    """The README's Python API example runs as printed, and its selection has the shape it states."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code.replace("print(", "result = ("), "README.md", "exec"), scope)  # noqa: S102
+    slot_shape, alpha_shape = scope["result"]
+    assert tuple(slot_shape) == tuple(alpha_shape) == (4, 16, 2)
+    assert scope["out"].nll.shape == (4, 16)

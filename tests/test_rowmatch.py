@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crtn.config import BenchSpec
+from crtn.app_config import BenchSpec
 from crtn.model import rowmatch
 from crtn.model.rowmatch import ngram_row_scores
 from tests.reference import naive_ngram_row_scores

@@ -11,23 +11,25 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from crtn.config import (
-    EvalAppSpec,
-    GenerateAppSpec,
-    check_eval_cache,
-    resolve,
-    schema_node,
-    upgrade,
+from crtn.app_config import EvalAppSpec, GenerateAppSpec
+from crtn.config import check_eval_cache, resolve, schema_node, upgrade
+from crtn.errors import ConfigError
+from crtn.model import (
+    STRATEGIES,
+    SUMMARIES,
+    build_model,
+    evaluation_spec,
+    model_class,
+    resolve_spec,
     valid_pairs,
 )
-from crtn.errors import ConfigError
-from crtn.model import STRATEGIES, SUMMARIES, build_model, evaluation_spec, model_class, resolve_spec
 from crtn.model.spec import QuerySpec, SummarySpec
 from crtn.train import main as train_main
 from tests.helpers import TINY_RUN, compose_train, run_main, tiny_cfg, tiny_model
@@ -185,6 +187,30 @@ def test_a_saved_config_drops_the_options_its_classes_did_not_read():
     assert saved["summary"]["tanh"] is True  # the saved dict is not changed
     txl = {"model": {"name": "txl"}, "summary": {"name": "mean", "tanh": True}}
     assert upgrade(txl)["summary"] == {"name": "mean", "tanh": True}
+
+
+def test_a_saved_config_drops_removed_options_whose_behaviour_stayed():
+    """Options removed from the schema: a checkpoint that used the behaviour the code keeps loads
+    (the key dropped), one that used another is refused in one line naming the key."""
+    saved = {
+        "model": {"name": "crtn", "sdpa": True},
+        "cache": {"theta": 1.0, "renew": "fifo", "eval_kv": True, "hnsw_m": 32},
+        "summary": {"name": "token_max", "tanh": False, "shortlist": None},
+        "query": {"strategy": "single_linear", "tanh": True, "per_head": False},
+    }
+    out = upgrade(saved)
+    assert out["model"] == {"name": "crtn"} and out["cache"] == {}
+    assert out["summary"] == {"name": "token_max", "ngram": 1, "shift": 0}  # LEGACY: what it trained with
+    assert out["query"] == {"strategy": "single_linear"}
+    for group, values, key in [
+        ("cache", {"theta": 2.0}, "cache.theta=2.0"),
+        ("summary", {"name": "token_max", "shortlist": 4}, "summary.shortlist=4"),
+        ("summary", {"name": "linear", "tanh": True}, "summary.tanh=True"),
+        ("query", {"strategy": "linear", "tanh": True}, "query.tanh=True"),
+        ("query", {"strategy": "gate", "per_head": True}, "query.per_head=True"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} was removed"):
+            upgrade({"model": {"name": "crtn"}, group: values})
 
 
 # ---------------------------------------------------------------------------- same_length

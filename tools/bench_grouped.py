@@ -30,9 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
 import crtn.model.attention as attention
+from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
-from crtn.config import BenchSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {

@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from crtn.app_config import BENCH_SMOKE, BenchSpec  # noqa: E402
 from crtn.bench.cases import make_case, model_spec, step_peak  # noqa: E402
-from crtn.config import BENCH_SMOKE, BenchSpec, default_summary  # noqa: E402
+from crtn.config import default_summary  # noqa: E402
 from tests.reference import NaiveCRTN  # noqa: E402
 
 

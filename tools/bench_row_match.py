@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from crtn.app_config import BenchSpec  # noqa: E402
 from crtn.bench.cases import Stepper, make_case, model_cfg, sync  # noqa: E402
-from crtn.config import BenchSpec  # noqa: E402
 from crtn.model import summary as summary_module  # noqa: E402
 from crtn.model.rowmatch import ngram_row_scores  # noqa: E402
 

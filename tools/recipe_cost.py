@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from crtn.config import register_configs, resolve
+from crtn.app_config import register_configs
+from crtn.config import resolve
 from crtn.distributed import DistributedContext
 from crtn.trainer import Trainer
 

@@ -3,7 +3,7 @@ Transformer-XL, and the cost table (docs/method.md §3; docs/results.md, "Perfor
 
 A Hydra app with ``crtn-train``'s model groups (``model``, ``cache``, ``query``, ``summary``,
 composed by ``conf/bench.yaml`` exactly as ``conf/train.yaml`` composes them) and the settings
-``bench.*`` (:class:`crtn.config.BenchSpec`: every default is there)::
+``bench.*`` (:class:`crtn.app_config.BenchSpec`: every default is there)::
 
     crtn-bench                                        # config and table sections (CPU: long)
     crtn-bench bench.smoke=true                       # tiny sizes, seconds, every ratio printed
@@ -69,11 +69,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from crtn.app import given_keys, resolve_device, run_app
+from crtn.app_config import BENCH_SMOKE, BenchSpec
 from crtn.bench.cases import Bench, Row, Stepper
 from crtn.bench.compare import ROW_GROUPS, bench_config, bench_table, compose_rows
 from crtn.bench.report import check_targets, markdown
 from crtn.bench.sections import bench_range, bench_retrieval, bench_scaling, bench_strategies
-from crtn.config import BENCH_SMOKE, STRATEGIES, BenchSpec
+from crtn.config import STRATEGIES
 from crtn.errors import ConfigError, check_choice
 from crtn.model import resolve_spec
 from crtn.utils import atomic_write_text
@@ -107,7 +108,7 @@ _POSITIVE += ("n_slot", "top_k", "n_slot_large", "eval_slots")
 
 
 def resolve_bench(s: BenchSpec, given: dict[str, Any] | None = None) -> BenchSpec:
-    """The settings a run uses: with ``smoke``, :data:`crtn.config.BENCH_SMOKE` over the standard
+    """The settings a run uses: with ``smoke``, :data:`crtn.app_config.BENCH_SMOKE` over the standard
     sizes, except the keys in ``given`` (those the command line set); every value checked.
 
     Raises:

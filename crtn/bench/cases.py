@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from crtn.config import BenchSpec, spec_dict, train_config
+from crtn.app_config import BenchSpec
+from crtn.config import spec_dict, train_config
 from crtn.model import ResolvedSpec, Spec, TransformerLM, build_model, resolve_spec
 
 #: slots filled by real steps before a case's timing; a larger cache gets the rest of its slots

@@ -23,9 +23,10 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from crtn.app import check_keys, one_line
+from crtn.app_config import BenchAppSpec, BenchSpec, register_configs
 from crtn.bench.cases import Bench, Case, Row, free, make_case, median, row, size_overrides, time_cases
 from crtn.bench.cases import tokens_per_s as tps
-from crtn.config import BenchAppSpec, BenchSpec, register_configs, uses_cache
+from crtn.config import uses_cache
 from crtn.errors import ConfigError
 from crtn.model import Spec, dependency_range, resolve_spec
 

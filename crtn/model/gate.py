@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.summary import Summary, ngram_row_scores
+from crtn.model.rowmatch import ngram_row_scores
+from crtn.model.summary import Summary
 
 
 def normalized(rows: Tensor, eps: float) -> Tensor:
