@@ -88,10 +88,6 @@ OVERRIDES: dict[str, Any] = {
     "model.proj_init_std": st.just(0.3),
     "model.layer_norm_eps": st.just(1e-5),
     "cache.n_slot": st.sampled_from([3, 1, 2, 0]),  # each slot is a segment to run before the cache evicts
-    "cache.theta": st.sampled_from([0.5, 1.0, 3.0]),
-    "cache.hnsw_m": st.integers(2, 8),
-    "cache.hnsw_ef_search": st.integers(1, 16),
-    "cache.hnsw_ef_construction": st.integers(1, 16),
     "summary.ngram": lambda c: st.one_of(st.none(), st.integers(1, _tgt(c))),
 }
 

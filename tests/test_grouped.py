@@ -107,12 +107,7 @@ MODELS = {
         "model.n_layer": 3,
         "cache.layers": 2,
     },
-    "gate_per_head_pre_ln": {
-        **GATE,
-        "summary.name": "last_state",
-        "query.per_head": True,
-        "model.pre_lnorm": True,
-    },
+    "gate_pre_ln": {**GATE, "summary.name": "last_state", "model.pre_lnorm": True},
     "gate_k_gt_n": {**GATE, "summary.name": "mean", "cache.n_slot": 2, "cache.top_k": 3, "model.mem_len": 6},
 }
 
