@@ -202,5 +202,3 @@ def test_the_sampler_covers_the_option_space():
     assert any(s.model.mem_len == 0 and s.cache.enabled for s in crtn)
     assert any(s.cache.key_layer == 0 for s in crtn)
     assert any(s.cache.layers is not None and s.cache.layers < s.model.n_layer for s in crtn)
-
-

@@ -235,7 +235,9 @@ def check_weighted(ctx: Ctx) -> None:
 
     def nll(spec, alpha_norm):
         model = build(spec).eval()
-        model = with_spec(model, resolve_spec(replace(spec, cache=replace(spec.cache, alpha_norm=alpha_norm))))
+        model = with_spec(
+            model, resolve_spec(replace(spec, cache=replace(spec.cache, alpha_norm=alpha_norm)))
+        )
         return torch.stack([o.nll for o in steps(model, tokens(6))])
 
     assert build(ctx.on).weighted is False
