@@ -1,7 +1,5 @@
 """Paths and wiring that the tiny reference tests do not reach, each against an independent reference.
 
-- evaluation keys and values (crtn/model/evalkv.py) when a step's retrieved rows are gathered in
-  several chunks: against a plain gather;
 - ``train.tar`` with gradient accumulation (``train.batch_chunk``): the gradients of one big batch;
 - locked dropout of the embeddings (``model.locked_dropout``, ``model.dropinp``): the masks drawn,
   against masks drawn by hand in the same RNG order;
@@ -17,7 +15,6 @@ import io
 import pytest
 import torch
 
-from crtn.model import evalkv
 from tests import reference
 from tests.helpers import tiny_model
 from tests.reference import NaiveCRTN
@@ -28,40 +25,6 @@ ATOL = 1e-9  # float64 values against the naive reference, as tests/test_crtn_re
 
 
 # ------------------------------------------------------------------ evaluation K/V in chunks
-def _spy_chunks(monkeypatch) -> list[tuple[int, int, int]]:
-    """Record (T, start, end) of every chunk that evalkv._chunks yields."""
-    seen: list[tuple[int, int, int]] = []
-    real = evalkv._chunks
-
-    def spy(part, index):
-        for s, e, rows in real(part, index):
-            seen.append((index.shape[0], s, e))
-            yield s, e, rows
-
-    monkeypatch.setattr(evalkv, "_chunks", spy)
-    return seen
-
-
-def test_kv_scores_and_mix_over_several_chunks_equal_a_plain_gather(monkeypatch):
-    """kv_scores / kv_mix against one explicit gather of every token's retrieved rows, with T
-    large enough for the ~4 MB budget to split the tokens into uneven chunks."""
-    seen = _spy_chunks(monkeypatch)
-    T, BN, H, Ls, dh, k = 400, 5, 2, 8, 128, 3  # 6,144 values per token: chunks of 170, 170, 60 tokens
-    g = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, BN, H, Ls, dh, generator=g, dtype=torch.float64)
-    index = torch.randint(0, BN, (T, k), generator=g)
-    q = torch.randn(T, H, dh, generator=g, dtype=torch.float64)
-    prob = torch.rand(T, H, k * Ls, generator=g, dtype=torch.float64)
-    keys = kv[0][index]  # [T, k, H, Ls, dh], the plain gather
-    vals = kv[1][index]
-    want_scores = torch.einsum("thd,tkhrd->thkr", q, keys).reshape(T, H, k * Ls)
-    want_mix = torch.einsum("thkr,tkhrd->thd", prob.view(T, H, k, Ls), vals)
-    torch.testing.assert_close(evalkv.kv_scores(q, kv, index), want_scores, rtol=0, atol=1e-12)
-    torch.testing.assert_close(evalkv.kv_mix(prob, kv, index), want_mix, rtol=0, atol=1e-12)
-    sizes = [e - s for _, s, e in seen]
-    assert len(set(seen)) > 2 and min(sizes) < max(sizes)  # several chunks, a shorter last one
-
-
 def _segments(tokens: torch.Tensor, L: int):
     for t in range((tokens.shape[1] - 1) // L):
         yield tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]

@@ -18,8 +18,7 @@ so each token costs O(H d) per retrieved row, and alpha scales the attention pro
 its segment. The products with the retrieved rows run grouped by slot, one dense product per
 tile of (token, slot) pairs of one slot (``grouped.py``), so a slot's rows are read once per tile,
 not once per token. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
-builds every context explicitly. At evaluation the slots' projected keys and values can be kept
-instead (``cache.eval_kv``, ``evalkv.py``).
+builds every context explicitly.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from crtn.model.evalkv import kv_mix, kv_scores
 from crtn.model.grouped import SlotGroups, grouped_product
 
 
@@ -46,16 +44,14 @@ class CacheContext:
         values: [n+1, B*N, Ls, d] cached hidden states of every slot (gradient-stopped),
             layer-major so that ``values[layer]`` is one contiguous block.
         index: [B, L, k] flat slot index ``b * N + slot`` of each retrieved segment,
-            ordered by stream position, oldest first; [B, L, H, k] with a selection per head
-            (``query.per_head``); None for a :attr:`gate` context before its layer selected.
+            ordered by stream position, oldest first; None for a :attr:`gate` context before its
+            layer selected.
         alpha: retrieval weights of ``index``'s shape (differentiable w.r.t. the query).
         weighted: whether alpha scales the values (``cache.weighted``).
         age: distance in tokens from the current segment's first token to the first token of
             each retrieved segment, ``index``'s shape (for ``cache.pos=real``), else None.
         first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
             stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
-        kv: [n_kv, 2, B*N, H, Ls, d_h] projected keys and values of every slot (evaluation,
-            ``crtn/model/evalkv.py``; layer i reads ``kv[i - first_layer]``), or None.
         gate: selection inside attention (:class:`crtn.model.gate.Gate`): each retrieving layer
             selects for itself and reads :meth:`selected`; None for a query strategy's selection.
         gate_k: segments a gate selects per token (min(top_k, filled slots)).
@@ -69,7 +65,6 @@ class CacheContext:
     weighted: bool
     age: Tensor | None = None
     first_layer: int = 0
-    kv: Tensor | None = None
     gate: Any = None
     gate_k: int = 0
     groups: SlotGroups | None = None
@@ -130,17 +125,10 @@ def attend_with_cache(
     B, L = rw_q.shape[:2]
     H, dh = attn.n_head, attn.d_head
     assert cache.index is not None and cache.alpha is not None
-    per_head = cache.index.dim() == 4  # [B, L, H, k]: every head its own segments
-    index = cache.index.reshape(-1, cache.k)  # [B*L, k] or [B*L*H, k]
     C = cache.k * cache.seg_len
-    kv = None if cache.kv is None else cache.kv[layer - cache.first_layer]  # [2, B*N, H, Ls, dh]
-    if kv is not None:  # evaluation: projected keys kept (evalkv.py)
-        ac_c = _per_head(kv_scores, rw_q.reshape(B * L, H, dh), kv, index) if per_head else None
-        ac_c = kv_scores(rw_q.reshape(B * L, H, dh), kv, index) if ac_c is None else ac_c
-    else:
-        values = cache.values[layer - cache.first_layer]
-        groups = cache.slot_groups()
-        ac_c = _folded_scores(attn, rw_q, values, groups)
+    values = cache.values[layer - cache.first_layer]
+    groups = cache.slot_groups()
+    ac_c = _folded_scores(attn, rw_q, values, groups)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -154,25 +142,12 @@ def attend_with_cache(
     # value term: mix retrieved rows per head (scaled by alpha), then project with W_v
     prob_c = prob_c.transpose(1, 2)  # [B, L, H, C]
     if cache.weighted:
-        alpha = cache.alpha if per_head else cache.alpha[:, :, None]  # [B, L, H or 1, k]
+        alpha = cache.alpha[:, :, None]  # [B, L, 1, k]
         prob_c = (prob_c.view(B, L, H, cache.k, cache.seg_len) * alpha[..., None]).view(B, L, H, C)
     prob_c = prob_c.reshape(B * L, H, C)
-    if kv is not None:
-        mixed = _per_head(kv_mix, prob_c, kv, index) if per_head else kv_mix(prob_c, kv, index)
-    else:
-        mixed = _folded_mix(attn, prob_c, values, groups)
+    mixed = _folded_mix(attn, prob_c, values, groups)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
-
-
-def _per_head(fn: Any, a: Tensor, kv: Tensor, index: Tensor) -> Tensor:
-    """``kv_scores``/``kv_mix`` with a selection per head: a [T, H, x], index [T*H, k] (token t,
-    head h at row t*H + h) -> [T, H, y], every (token, head) reading its own slots' head h."""
-    T, H = a.shape[:2]
-    heads = torch.arange(H, device=index.device).repeat(T)[:, None]  # [T*H, 1]
-    kv_heads = kv.reshape(2, -1, 1, *kv.shape[3:])  # [2, B*N*H, 1, Ls, dh]: row (slot, head)
-    out = fn(a.reshape(T * H, 1, a.shape[-1]), kv_heads, index * H + heads)
-    return out.view(T, H, -1)
 
 
 def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
