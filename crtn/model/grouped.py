@@ -97,6 +97,7 @@ class SlotGroups:
 
     @property
     def n_tiles(self) -> int:
+        """Tiles of the grouping: one dense product each, over one slot's rows."""
         return self.slots.shape[0]
 
     def _chunk(self, values: Tensor, width: int) -> int:
