@@ -353,3 +353,39 @@ def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropo
                     torch.testing.assert_close(got[b, j, s], want, rtol=0, atol=1e-12)
     own = got[:, w - 1 : L - 1, 0]  # the n-gram and the row after it inside X
     torch.testing.assert_close(own, torch.ones_like(own), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("alpha_norm", ["topk", "original"])
+def test_alpha_of_one_skips_the_selection_gradient_exactly(alpha_norm):
+    """With one slot per token alpha is 1 under ``topk`` and ``original``, so the model neither
+    scales the values nor differentiates the selection (``alpha_is_one``). Forcing the weighted
+    path (alpha in autograd, values scaled by it) gives the same loss and the same gradients to
+    1e-12, and gives the summary's and the query's weights (a learned ``d_key`` map, reached
+    only through alpha) exactly zero gradient: the skipped computation contributed nothing."""
+    over = {"model.name": "crtn", "cache.n_slot": 3, "cache.top_k": 1, "cache.alpha_norm": alpha_norm}
+    over.update({"summary.name": "token_max", "summary.d_key": 8, "model.mem_len": 3})
+    torch.manual_seed(0)
+    fast = tiny_model(V, **over).train()
+    assert fast.weighted is False
+    forced = tiny_model(V, **over).train()
+    forced.load_state_dict(fast.state_dict())
+    forced.weighted = True  # the path a weighted model takes: alpha scales the values, with gradient
+    tokens = torch.randint(0, V, (2, 6 * 3 + 1))
+    _, st_fast = drive(fast, 5, tokens=tokens)
+    _, st_forced = drive(forced, 5, tokens=tokens)
+    x, y = tokens[:, 15:18], tokens[:, 16:19]
+    loss_fast, loss_forced = fast(x, y, st_fast).nll.sum(), forced(x, y, st_forced).nll.sum()
+    torch.testing.assert_close(loss_fast, loss_forced, rtol=0, atol=1e-12)
+    assert st_fast.cache.n_valid == 3  # committed by the step: a choice among three slots
+    loss_fast.backward()
+    loss_forced.backward()
+    own = ("summary.", "query.")
+    checked = 0
+    for (name, p), q in zip(fast.named_parameters(), forced.parameters(), strict=True):
+        if name.startswith(own):
+            assert p.grad is None, name
+            assert q.grad is not None and q.grad.abs().max() == 0, name
+            checked += 1
+        elif q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    assert checked > 0  # the strategy and the summary have weights

@@ -54,6 +54,14 @@ POS_MODES = ("concat", "real")  # used by the attention (attention.py)
 BACKENDS = ("torch", "faiss")
 FAISS_INDEXES = ("flat", "hnsw")
 
+
+def alpha_is_one(alpha_norm: str, top_k: int) -> bool:
+    """Whether alpha is 1 whatever the scores: one slot per token (``top_k`` 1) with ``topk`` (a
+    softmax over one score) or ``original`` (k times it); module docstring. The values are then
+    unweighted and the scores reach the loss only through the argmax, so they get no gradient
+    and the query pass needs none."""
+    return top_k == 1 and alpha_norm in ("topk", "original")
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.cache import SegmentCache, resolve_cache
+from crtn.model.cache import SegmentCache, alpha_is_one, resolve_cache
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import block_keys
 from crtn.model.query import STRATEGIES
@@ -104,7 +104,11 @@ class CRTN(TransformerLM):
         self.clean_layer0 = self.key_layer == 0 and c.enabled
         self.summary = SUMMARIES[spec.summary.name].from_spec(spec.summary, m)
         self.query = STRATEGIES[spec.query.strategy].from_spec(spec.query, m, d_key=self.summary.d_query)
-        self.weighted, self.real_pos, self.detach = c.weighted, c.pos == "real", spec.query.detach
+        # alpha of 1 (one slot, topk or original) scales nothing: the values are unweighted and the
+        # selection needs no gradient (cache.alpha_is_one), so the summary's and query's weights
+        # get none (they could not learn: the scores reach the loss only through the argmax)
+        self.weighted = c.weighted and not alpha_is_one(c.alpha_norm, c.top_k)
+        self.real_pos, self.detach = c.pos == "real", spec.query.detach
         # R_prev is kept for the strategies that read it and for the summaries' query lead-in (a gate
         # takes its lead-in queries from each layer's memory)
         self.needs_r_prev = not self.query.in_attention and (
