@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import crtn.model.grouped as grouped
 from crtn.model import RetrievalStats, evaluation_spec, with_spec
 from crtn.model.cache import SegmentCache
 from crtn.model.summary import make_summary
@@ -389,3 +390,38 @@ def test_alpha_of_one_skips_the_selection_gradient_exactly(alpha_norm):
         elif q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
     assert checked > 0  # the strategy and the summary have weights
+
+
+def test_unfilled_slots_hold_zeros_and_a_poisoned_saved_state_loads_clean(monkeypatch):
+    """The retrieved attention reads whole ranges of slots in place (``grouped.py``'s dense block),
+    where a NaN in a slot never filled would reach tokens through a zero weight (0·NaN = NaN).
+    Fresh storage holds zeros there; a saved state whose unfilled slots hold NaN (as storage
+    allocated uninitialised may) loads as zeros, and a training step from it gives the loss and
+    gradients of the clean state."""
+    monkeypatch.setattr(grouped, "choose_plan", lambda count, span: (1, 1))  # the block spans the gap
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 4, "model.mem_len": 3}).train()
+    tokens = torch.randint(0, V, (2, 6 * 3 + 1))
+    _, state = drive(model, 4, tokens=tokens)
+    cache = state.cache
+    cache.commit()
+    n1, S, Ls, d = cache.values.shape
+    nv = cache.n_valid
+    assert 0 < nv < 4  # stream 0's unfilled slots lie between the two streams' filled ones
+    assert cache.values.view(n1, 2, 4, Ls, d)[:, :, nv:].abs().max() == 0
+    clean = state.state_dict()
+    poisoned = state.state_dict()
+    poisoned["cache"] = dict(poisoned["cache"], values=cache.values.clone())
+    poisoned["cache"]["values"].view(n1, 2, 4, Ls, d)[:, :, nv:] = float("nan")
+    x, y = tokens[:, 12:15], tokens[:, 13:16]
+    grads = []
+    for sd in (clean, poisoned):
+        model.zero_grad()
+        st = model.load_state(sd, 2, "cpu")
+        assert torch.isfinite(st.cache.values).all()
+        out = model(x, y, st)
+        assert out.selection is not None
+        out.nll.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        grads[-1].append(out.nll.detach())
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -290,7 +290,9 @@ def grouped_product(
 
     Args:
         x: [T, H, d] (``to_rows``: scores of folded queries) or [T, H, k·Ls] (mixing weights).
-        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype).
+        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype). Every
+            row must be finite, selected or not: the dense block reads whole slot ranges, and a
+            zero weight times a NaN row is NaN (the cache keeps unfilled slots at zero).
         groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`).
         to_rows: True -> [T, H, k·Ls]; False -> [T, H, d].
         normalize, eps: a parameter-free LayerNorm of the rows (pre-LN).
