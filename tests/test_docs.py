@@ -87,6 +87,17 @@ def test_links_into_results_name_a_heading(doc):
     assert not missing, f"{doc}: results.md has no heading for {missing}"
 
 
+METHOD_LINKS = re.compile(r"\]\((?:docs/)?method\.md#([^)]+)\)")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/findings.md", "docs/results.md", "CONTRIBUTING.md"])
+def test_links_into_method_name_a_heading(doc):
+    """Every ``method.md#anchor`` link resolves to a heading of docs/method.md."""
+    anchors = {anchor(h) for h in headings("method.md")}
+    missing = sorted(set(METHOD_LINKS.findall((REPO / doc).read_text())) - anchors)
+    assert not missing, f"{doc}: method.md has no heading for {missing}"
+
+
 def test_the_readme_python_api_runs():
     """The README's Python API example runs as printed, and its selection has the shape it states."""
     text = (REPO / "README.md").read_text()

@@ -44,6 +44,8 @@ ROWS = {
     "crtn_original": ["model=crtn_original"],
     "gate_tm": ["model=crtn", "query=gate", "summary=token_max"],
     "gate_tm_l2": ["model=crtn", "query=gate", "summary=token_max", "cache.layers=2"],
+    "k1_all": ["model=crtn", "cache.top_k=1"],
+    "k1_topk": ["model=crtn", "cache.top_k=1", "cache.alpha_norm=topk"],
     "ngram8": [
         "model=crtn",
         "cache.key_layer=0",

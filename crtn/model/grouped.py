@@ -201,7 +201,8 @@ class SlotGroups:
             n = self.hi - self.lo
             z = self._block(values, dtype=y.dtype, normalize=normalize, eps=eps)
             w = pairs.index_select(0, self.pair[:D]).view(n, self.dense * H, Ls)
-            out.index_add_(0, self.token[:D], torch.bmm(w, z).view(-1, H, d))
+            mixed = torch.bmm(w, z, out=y.new_empty(n, self.dense * H, d))  # y's dtype, under autocast too
+            out.index_add_(0, self.token[:D], mixed.view(-1, H, d))
         if self.n_tiles:
             c = self._chunk(values, H * (Ls + d))
             zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
