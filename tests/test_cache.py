@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import crtn.model.grouped as grouped
 from crtn.model import RetrievalStats, evaluation_spec, with_spec
 from crtn.model.cache import SegmentCache
 from crtn.model.summary import make_summary
@@ -392,13 +391,10 @@ def test_alpha_of_one_skips_the_selection_gradient_exactly(alpha_norm):
     assert checked > 0  # the strategy and the summary have weights
 
 
-def test_unfilled_slots_hold_zeros_and_a_poisoned_saved_state_loads_clean(monkeypatch):
-    """The retrieved attention reads whole ranges of slots in place (``grouped.py``'s dense block),
-    where a NaN in a slot never filled would reach tokens through a zero weight (0·NaN = NaN).
-    Fresh storage holds zeros there; a saved state whose unfilled slots hold NaN (as storage
-    allocated uninitialised may) loads as zeros, and a training step from it gives the loss and
-    gradients of the clean state."""
-    monkeypatch.setattr(grouped, "choose_plan", lambda count, span: (1, 1))  # the block spans the gap
+def test_unfilled_slots_hold_zeros_and_never_reach_a_prediction():
+    """Slots not yet filled hold zeros (the ring is saved whole in checkpoints), and nothing reads
+    them: with NaN written there, a training step gives the loss and gradients of the clean
+    state, bit for bit (a product over a slot range that included them would give NaN: 0·NaN)."""
     model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 4, "model.mem_len": 3}).train()
     tokens = torch.randint(0, V, (2, 6 * 3 + 1))
     _, state = drive(model, 4, tokens=tokens)
@@ -417,7 +413,6 @@ def test_unfilled_slots_hold_zeros_and_a_poisoned_saved_state_loads_clean(monkey
     for sd in (clean, poisoned):
         model.zero_grad()
         st = model.load_state(sd, 2, "cpu")
-        assert torch.isfinite(st.cache.values).all()
         out = model(x, y, st)
         assert out.selection is not None
         out.nll.sum().backward()

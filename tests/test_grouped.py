@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import crtn.model.grouped as grouped
-from crtn.model.grouped import SlotGroups, choose_plan, choose_tile, grouped_product
+from crtn.model.grouped import SlotGroups, choose_tile, grouped_product
 from tests.test_crtn_reference import run_both
 
 ATOL = 1e-10
@@ -29,16 +29,13 @@ def _explicit(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, to_row
     return x @ z.transpose(1, 2) if to_rows else x @ z
 
 
-@pytest.mark.parametrize("dense", [0, 1, 3, None])
 @pytest.mark.parametrize("size", [1, 2, 3, 64, None])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
-def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, dense, monkeypatch):
+def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, monkeypatch):
     """Every tile size (1: no padding; 2, 3: slots over several tiles, padding; 64: one tile per
-    slot; None: the cost model's) with no dense block (0), a block that some slots overflow into
-    tiles (1), one that holds every pair and pads (3) and the cost model's; rows read one tile
-    per chunk, a token selecting a slot twice, heads 3; values and gradients to 1e-12 in float64,
-    and gradcheck."""
+    slot; None: the cost model's), rows read one tile per chunk, a token selecting a slot twice,
+    heads 3; values and gradients to 1e-12 in float64, and gradcheck."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)  # 6 slots of 4 rows, d = 5
@@ -46,9 +43,7 @@ def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, de
     index[0] = 3  # a slot twice
     shape = (9, 3, 5) if to_rows else (9, 3, 8)
     x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
-    groups = SlotGroups.of(index, size=size, dense=dense)
-    if dense == 1:
-        assert groups.n_dense > 0 and groups.n_tiles > 0  # both parts in use
+    groups = SlotGroups.of(index, size=size)
     out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
     x_ref = x.detach().clone().requires_grad_()
     ref = _explicit(x_ref, values, index, to_rows, normalize)
@@ -65,37 +60,11 @@ def test_slot_groups_layout_by_hand():
     """Tokens 0..2 select slots [0, 2], [2, 3], [2, 0]: pairs t·k + p = 0..5. With tiles of 2
     pairs, slot 0 holds pairs 0 and 5 (one tile), slot 2 pairs 1, 2, 4 (two tiles, the second
     padded), slot 3 pair 3 (one padded tile)."""
-    groups = SlotGroups.of(torch.tensor([[0, 2], [2, 3], [2, 0]]), size=2, dense=0)
-    assert groups.n_dense == 0
+    groups = SlotGroups.of(torch.tensor([[0, 2], [2, 3], [2, 0]]), size=2)
     assert groups.slots.tolist() == [0, 2, 2, 3]
     assert groups.place.tolist() == [0, 2, 3, 6, 4, 1]
     assert groups.pair.tolist() == [0, 5, 1, 2, 4, 6, 3, 6]  # 6 = T·k: padding
     assert groups.token.tolist() == [0, 2, 0, 1, 2, 0, 1, 0]
-
-
-def test_dense_block_layout_by_hand():
-    """The same selection with a dense block of 2 pairs per slot over slots 0..3 (positions
-    slot·2 + rank, slot 1 unselected: padding) and tiles of 1 pair for what overflows it: slot 2's
-    third pair, 4, goes to the one tile after the block's 8 positions."""
-    groups = SlotGroups.of(torch.tensor([[0, 2], [2, 3], [2, 0]]), size=1, dense=2)
-    assert (groups.lo, groups.hi, groups.n_dense) == (0, 4, 8)
-    assert groups.slots.tolist() == [2]
-    assert groups.place.tolist() == [0, 4, 5, 6, 8, 1]
-    assert groups.pair.tolist() == [0, 5, 6, 6, 1, 2, 3, 6, 4]  # 6 = T·k: padding
-    assert groups.token.tolist() == [0, 2, 0, 0, 0, 1, 1, 0, 2]
-
-
-def test_choose_plan_by_hand():
-    """Costs in pairs' products (ROW_READ_PAIRS 4 per tile, BLOCK_READ_PAIRS 1 per slot of the
-    block). Groups of 2, 2, 1 and 3 pairs over 4 slots. Tiles alone: P = 1 costs 8·5 = 40, P = 2
-    5·6 = 30, P = 3 (the largest group) 4·7 = 28. A block of 1 pair per slot: 4·2 plus tiles for
-    the 1, 1, 0 and 2 left (P = 2: 3·6 = 18) = 26; a block of 2: 4·3 plus one tile of 1 pair
-    (5) = 17; a block of 4 (past the largest group): 4·5 = 20. So (2, 1). The same groups
-    spread over 100 slots: any block costs at least 100·2, so tiles alone, (0, 3)."""
-    assert grouped.BLOCK_READ_PAIRS == 1.0
-    count = torch.tensor([2, 2, 1, 3])
-    assert choose_plan(count, 4) == (2, 1)
-    assert choose_plan(count, 100) == (0, 3)
 
 
 def test_choose_tile_by_hand():
@@ -111,8 +80,6 @@ def test_choose_tile_by_hand():
 def test_bad_tile_size_raises():
     with pytest.raises(ValueError, match="tile size 0"):
         SlotGroups.of(torch.tensor([[0, 1]]), size=0)
-    with pytest.raises(ValueError, match="dense block of -1"):
-        SlotGroups.of(torch.tensor([[0, 1]]), size=1, dense=-1)
 
 
 GATE = {"query.strategy": "gate"}
@@ -145,14 +112,13 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("plan", [(0, 1), (0, 2), (1, 1), None], ids=["tile1", "tile2", "dense1", "chosen"])
+@pytest.mark.parametrize("size", [1, 2, None], ids=["tile1", "tile2", "chosen"])
 @pytest.mark.parametrize("variant", list(MODELS.values()), ids=list(MODELS))
-def test_model_matches_the_naive_reference_to_1e_10(variant, plan, monkeypatch):
+def test_model_matches_the_naive_reference_to_1e_10(variant, size, monkeypatch):
     """NLL, selections and every parameter gradient against the per-token float64 reference,
     over segments that fill the cache (fewer filled slots than k at first) and evict, with the
-    rows read one tile per chunk; tiles only, or a dense block of one pair per slot whose
-    overflow goes to tiles."""
+    rows read one tile per chunk."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
-    if plan is not None:
-        monkeypatch.setattr(grouped, "choose_plan", lambda count, span: plan)
+    if size is not None:
+        monkeypatch.setattr(grouped, "choose_tile", lambda count: size)
     run_both(steps=6, grad=True, atol=ATOL, grad_atol=ATOL, **variant)

@@ -5,12 +5,11 @@ alternating in one process, so the ratios are side by side on the same machine s
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_tm_l2 --profile
-    OMP_NUM_THREADS=1 python tools/bench_grouped.py --tiles-only
 
-Rows (``--rows``, comma-separated) are ``crtn-bench`` table rows at its standard sizes
+Rows (``--rows``, comma-separated; :data:`ROWS`: ``crtn-bench`` table rows, and ``k1_all`` /
+``k1_topk``, the default with one retrieved slot and alpha below 1 or of 1) at its standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
-``--rounds`` timed training steps of each case in turn (median). ``--tiles-only`` adds each row
-again with the products in tiles only (no dense block, ``grouped.choose_plan``). ``--profile`` prints the
+``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case, ``--peak`` each case's peak
 step memory as ``crtn-bench`` measures it. Run it from a git
 checkout (``--before`` reads the old module with ``git show``).
@@ -32,7 +31,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
 import crtn.model.attention as attention
-import crtn.model.grouped as grouped
 from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
@@ -87,7 +85,6 @@ def main() -> None:
     ap.add_argument(
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
-    ap.add_argument("--tiles-only", action="store_true", help="also time each row without the dense block")
     a = ap.parse_args()
     if a.random_fill:
         cases_module.REAL_FILL_SLOTS = 2
@@ -100,23 +97,14 @@ def main() -> None:
     if a.before:
         attend["_before"] = old_attend(a.before)
         cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows[1:]]
-    if a.tiles_only:
-        cases += [make_case(r.name + "_tiles", r.spec, s, device=dev) for r in rows[1:]]
-    plan = grouped.choose_plan
     stepper = Stepper(dev, amp=False)
 
-    def use(c) -> None:
-        """The products of case ``c``: the old module's, tiles only, or the current plan."""
-        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
-        tiles = c.name.endswith("_tiles")
-        grouped.choose_plan = (lambda count, span: (0, grouped.choose_tile(count))) if tiles else plan
-
     def step(c) -> None:
-        use(c)
+        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
         stepper(c)
 
     for c in cases:
-        use(c)
+        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
         stepper.fill(c)
         step(c)
     for _ in range(a.rounds):

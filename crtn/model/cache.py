@@ -5,9 +5,8 @@ its hidden states at every layer 0..n (the value V_i), its key k_i = summary(top
 of V_i) and the stream position of its first token.
 All of it is gradient-stopped.
 
-Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d], zeros until a slot is
-filled (the retrieved attention reads slot ranges in place, ``grouped.py``), and renewal writes
-one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
+Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d] (zeros until a slot is
+filled), and renewal writes one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
 cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
 in every row and empty slots are simply never scored.
 
@@ -244,8 +243,8 @@ class SegmentCache:
         dev = states.device
         if self.values is None:
             self.dtype = self.dtype or states.dtype
-            # zeros, not empty: the retrieved attention reads whole ranges of slots, filled or not
-            # (grouped.py, the dense block), so a slot not yet filled must hold finite values
+            # zeros, not empty: a slot not yet filled is never read, but the ring is saved whole
+            # in checkpoints, which should not carry uninitialised memory
             self.values = torch.zeros(n_layers, B * self.n_slot, Ls, d, dtype=self.dtype, device=dev)
             self.pos = torch.full((B, self.n_slot), -1, dtype=torch.long, device=dev)
             self.newest = torch.zeros(B, dtype=torch.long, device=dev)
@@ -403,11 +402,6 @@ class SegmentCache:
         self.newest = sd["newest"]
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
-        if self.values is not None and self.n_valid < self.n_slot:  # saved by versions that left them unset
-            self.values = self.values.clone()
-            self.values.view(self.values.shape[0], self.batch_size, self.n_slot, *self.values.shape[2:])[
-                :, :, self.n_valid :
-            ] = 0
         self._faiss = None
         if self.backend == "faiss" and self.n_insert > 0:
             self._rebuild_faiss()

@@ -16,24 +16,11 @@ row r of the token's p-th slot, oldest first), where the joint softmax with the 
 current segment runs as before, so the position of a row (which depends on the rank p of its
 slot among the token's selections) never enters the grouping.
 
-Tiles copy their slot's rows (a slot sits anywhere in the cache layer), and a small product per
-tile costs a call. Where the selected slots are many and close together (every token of a
-segment picks among its own stream's N slots), most pairs go instead to a dense block: every
-slot of the selected range ``lo..hi`` gets room for P_d pairs, at position (slot - lo)·P_d +
-rank, and one batched product over the cache layer's rows in place (a view, no copy) serves
-them all, as the experts of a mixture-of-experts layer get a fixed capacity of tokens (Fedus et
-al. 2021, "Switch Transformers"). The pairs beyond a slot's capacity go to tiles. Unselected
-slots of the range and unused places are padding.
-
-The plan (P_d, P) is chosen per selection from a cost model (:func:`choose_plan`,
-:func:`choose_tile`): a tile costs its padded P·H·Ls·d multiply-adds plus the copy of the slot's
-rows and a call (:data:`ROW_READ_PAIRS`), a slot of the block its P_d pairs' products plus
-little (:data:`BLOCK_READ_PAIRS`), selected or not. With many tokens on few slots large tiles
-waste nothing; with the selections of each stream spread over its N slots the block wins; with
-a few pairs over a large cache (N = 1,024) tiles alone. On a CPU the tiles run in chunks whose
-rows and operands (about 1 MB) are read into reused buffers that stay in cache (large fresh
-allocations cost page faults on every call). The measured gain is in docs/results.md
-("Grouped retrieved attention").
+P is chosen per selection from a cost model (:func:`choose_tile`): a tile costs its padded
+P·H·Ls·d multiply-adds and the read of the slot's rows; with many tokens on few slots large
+tiles waste nothing, with selections spread over many slots small ones pad less. On a CPU the
+tiles run in chunks whose rows and operands (about 1 MB) are read into reused buffers that stay
+in cache (large fresh allocations cost page faults on every call).
 """
 
 from __future__ import annotations
@@ -50,31 +37,23 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: multiply-adds); a rough value: on the development machine's CPU, at the standard sizes with
 #: selections spread over the slots, tiles of 2, 4 and 8 pairs ran within noise of each other
 ROW_READ_PAIRS = 4.0
-#: cost of one slot of the dense block beyond its pairs' products, in the same units: its rows are
-#: read in place (a view of the cache layer, no copy), so little more than the product's own reads
-BLOCK_READ_PAIRS = 1.0
 #: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
 CHUNK_VALUES = 1 << 18
 
 
 @dataclass
 class SlotGroups:
-    """The (token, slot) pairs of a selection, grouped by slot: a dense block of ``dense`` pairs per
-    slot over the slots ``lo``..``hi``-1, and the pairs that overflow it in tiles of ``size``
-    pairs, each tile one slot's (module docstring).
+    """The (token, slot) pairs of a selection, grouped by slot into tiles of ``size`` pairs.
 
     Pair i = t·k + p is token t's p-th selected slot. Shapes: T tokens (rows of the selection;
-    token-and-head rows for a selection per head), k slots per token, D = (hi - lo)·dense
-    positions of the dense block, n_t tiles of P pairs after it.
+    token-and-head rows for a selection per head), k slots per token, n_t tiles of P pairs.
 
     Attributes:
         n_tokens: T; k: slots per token; size: P, pairs per tile.
-        dense: pairs per slot in the dense block (0: no block); lo, hi: its slots, a contiguous
-            range of the cache layer (read as a view, no copy).
         slots: [n_t] long, the slot (row of the cache layer ``values``) each tile reads.
-        place: [T·k] long, where pair i sits in the layout [D + n_t·P] (the block, then the tiles).
-        pair: [D + n_t·P] long, the pair at each position (T·k for padding).
-        token: [D + n_t·P] long, the token at each position (0 for padding, whose products are
+        place: [T·k] long, where pair i sits in the tiles' pair layout [n_t·P].
+        pair: [n_t·P] long, the pair at each tile position (T·k for padding).
+        token: [n_t·P] long, the token at each tile position (0 for padding, whose products are
             never read).
     """
 
@@ -85,65 +64,41 @@ class SlotGroups:
     place: Tensor
     pair: Tensor
     token: Tensor
-    dense: int = 0
-    lo: int = 0
-    hi: int = 0
 
     @classmethod
-    def of(cls, index: Tensor, size: int | None = None, dense: int | None = None) -> SlotGroups:
-        """Group the selection ``index`` [T, k] (rows of a cache layer) by slot: up to ``dense``
-        pairs of each slot in the dense block, the rest in tiles of ``size`` pairs (None for
-        either: :func:`choose_plan`'s).
+    def of(cls, index: Tensor, size: int | None = None) -> SlotGroups:
+        """Group the selection ``index`` [T, k] (rows of a cache layer) by slot, in tiles of
+        ``size`` pairs (None: :func:`choose_tile`).
 
         Raises:
-            ValueError: ``size`` < 1 or ``dense`` < 0.
+            ValueError: ``size`` < 1.
         """
         T, k = index.shape
         dev = index.device
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         slot, count = torch.unique_consecutive(flat[order], return_counts=True)
-        lo, hi = int(slot[0]), int(slot[-1]) + 1
-        if size is None or dense is None:
-            plan_dense, plan_size = choose_plan(count, hi - lo)
-            dense = plan_dense if dense is None else dense
-            size = plan_size if size is None else size
+        size = choose_tile(count) if size is None else size
         if size < 1:
             raise ValueError(f"tile size {size} must be >= 1")
-        if dense < 0:
-            raise ValueError(f"dense block of {dense} pairs per slot must be >= 0")
-        if dense == 0:
-            lo = hi = 0
-        n_dense = (hi - lo) * dense
+        tiles = (count + size - 1) // size  # [n_groups]
         start = torch.cumsum(count, 0) - count  # first sorted pair of each group
         group = torch.repeat_interleave(torch.arange(len(count), device=dev), count)
         rank = torch.arange(T * k, device=dev) - start[group]  # a pair's place in its group
-        spill = (count - dense).clamp(min=0)  # each group's pairs beyond the block
-        tiles = (spill + size - 1) // size  # [n_groups]
         first = (torch.cumsum(tiles, 0) - tiles)[group]  # its group's first tile
-        sorted_place = torch.where(
-            rank < dense,
-            (slot[group] - lo) * dense + rank,
-            n_dense + first * size + (rank - dense),
-        )
         place = torch.empty_like(flat)
-        place[order] = sorted_place
+        place[order] = first * size + rank
         n_tiles = int(tiles.sum())
-        pair = torch.full((n_dense + n_tiles * size,), T * k, dtype=torch.long, device=dev)
+        pair = torch.full((n_tiles * size,), T * k, dtype=torch.long, device=dev)
         pair[place] = torch.arange(T * k, device=dev)
         token = torch.where(pair < T * k, pair // k, 0)
         slots = torch.repeat_interleave(slot, tiles)
-        return cls(T, k, size, slots=slots, place=place, pair=pair, token=token, dense=dense, lo=lo, hi=hi)
+        return cls(T, k, size, slots=slots, place=place, pair=pair, token=token)
 
     @property
     def n_tiles(self) -> int:
-        """Tiles of the grouping after the dense block: one dense product each, over one slot's rows."""
+        """Tiles of the grouping: one dense product each, over one slot's rows."""
         return self.slots.shape[0]
-
-    @property
-    def n_dense(self) -> int:
-        """Positions of the dense block, (hi - lo)·dense."""
-        return (self.hi - self.lo) * self.dense
 
     def _chunk(self, values: Tensor, width: int) -> int:
         """Tiles per chunk: on a CPU about 1 MB of rows and operands (``width`` values per pair),
@@ -160,59 +115,39 @@ class SlotGroups:
         z = torch.index_select(values, 0, slots, out=buf[: len(slots)]).to(dtype)
         return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
 
-    def _block(self, values: Tensor, *, dtype: torch.dtype, normalize: bool, eps: float) -> Tensor:
-        """The rows of the dense block's slots [hi - lo, Ls, d]: a view of ``values`` unless cast
-        to ``dtype`` or normalised (pre-LN)."""
-        z = values[self.lo : self.hi].to(dtype)
-        return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
-
     def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
         """Products of each token's vectors with its slots' rows: x [T, H, d] -> [T, H, k·Ls],
         out[t, h, p·Ls + r] = x[t, h] · Z_{t,p}[r] (Z_{t,p}: the rows of token t's p-th slot in
         ``values`` [S, Ls, d])."""
         T, H, d = x.shape
-        P, Ls, D = self.size, values.shape[1], self.n_dense
-        products = x.new_empty(D + self.n_tiles * P, H, Ls)
-        if D:
-            z = self._block(values, dtype=x.dtype, normalize=normalize, eps=eps)
-            q = x.index_select(0, self.token[:D]).view(self.hi - self.lo, self.dense * H, d)
-            torch.bmm(q, z.transpose(1, 2), out=products[:D].view(self.hi - self.lo, self.dense * H, Ls))
-        if self.n_tiles:
-            tiles = products[D:].view(self.n_tiles, P * H, Ls)
-            c = self._chunk(values, H * d)
-            zbuf, qbuf = values.new_empty(c, Ls, d), x.new_empty(c * P, H, d)
-            for s in range(0, self.n_tiles, c):
-                e = min(self.n_tiles, s + c)
-                z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
-                q = torch.index_select(x, 0, self.token[D + s * P : D + e * P], out=qbuf[: (e - s) * P])
-                torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
-        pairs = products.index_select(0, self.place).view(T, self.k, H, Ls)
+        P, Ls = self.size, values.shape[1]
+        c = self._chunk(values, H * d)
+        tiles = x.new_empty(self.n_tiles, P * H, Ls)
+        zbuf, qbuf = values.new_empty(c, Ls, d), x.new_empty(c * P, H, d)
+        for s in range(0, self.n_tiles, c):
+            e = min(self.n_tiles, s + c)
+            z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
+            q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
+            torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
+        pairs = tiles.view(-1, H, Ls).index_select(0, self.place).view(T, self.k, H, Ls)
         return pairs.transpose(1, 2).reshape(T, H, self.k * Ls)
 
     def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
         sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`)."""
         T, H, _ = y.shape
-        P, (Ls, d), D = self.size, values.shape[1:], self.n_dense
+        P, (Ls, d) = self.size, values.shape[1:]
         pairs = y.new_zeros(T * self.k + 1, H, Ls)  # the last row: padding's zeros
         pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
+        c = self._chunk(values, H * (Ls + d))
         out = y.new_zeros(T, H, d)
-        if D:
-            n = self.hi - self.lo
-            z = self._block(values, dtype=y.dtype, normalize=normalize, eps=eps)
-            w = pairs.index_select(0, self.pair[:D]).view(n, self.dense * H, Ls)
-            mixed = torch.bmm(w, z, out=y.new_empty(n, self.dense * H, d))  # y's dtype, under autocast too
-            out.index_add_(0, self.token[:D], mixed.view(-1, H, d))
-        if self.n_tiles:
-            c = self._chunk(values, H * (Ls + d))
-            zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
-            for s in range(0, self.n_tiles, c):
-                e = min(self.n_tiles, s + c)
-                z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
-                at = slice(D + s * P, D + e * P)
-                w = torch.index_select(pairs, 0, self.pair[at], out=wbuf[: (e - s) * P])
-                torch.bmm(w.view(e - s, P * H, Ls), z, out=res[: e - s])
-                out.index_add_(0, self.token[at], res[: e - s].view(-1, H, d))
+        zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
+        for s in range(0, self.n_tiles, c):
+            e = min(self.n_tiles, s + c)
+            z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
+            w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
+            torch.bmm(w.view(e - s, P * H, Ls), z, out=res[: e - s])
+            out.index_add_(0, self.token[s * P : e * P], res[: e - s].view(-1, H, d))
         return out
 
 
@@ -221,38 +156,12 @@ def choose_tile(count: Tensor) -> int:
     largest group, when smaller) that minimises sum_g ceil(c_g / P) (P + ROW_READ_PAIRS), the
     padded pairs plus the reads of the tiles' rows, in units of one pair's products. Ties go
     to the smaller tile."""
-    return _best_tile(count.to("cpu", torch.long))[0]
-
-
-def _best_tile(c: Tensor) -> tuple[int, float]:
-    """:func:`choose_tile` and its cost, for counts on the CPU (0 for no pairs at all)."""
-    c = c[c > 0]
-    if len(c) == 0:
-        return 1, 0.0
+    c = count.to("cpu", torch.long)
     largest = int(c.max())
     sizes = torch.tensor([P for P in TILE_SIZES if P < largest] + [min(largest, TILE_SIZES[-1])])
     tiles = ((c[None, :] + sizes[:, None] - 1) // sizes[:, None]).sum(1)  # [n_sizes]
     cost = tiles.double() * (sizes.double() + ROW_READ_PAIRS)
-    best = int(cost.argmin())  # the first minimum: the smaller tile
-    return int(sizes[best]), float(cost[best])
-
-
-def choose_plan(count: Tensor, span: int) -> tuple[int, int]:
-    """The dense block's pairs per slot and the tile size for groups of ``count`` [n_groups]
-    pairs whose slots lie in a range of ``span`` slots: the block of P_d pairs per slot (0 or a
-    size of :data:`TILE_SIZES`) costs span·(P_d + BLOCK_READ_PAIRS), whether a slot of the range
-    was selected or not, and the pairs beyond it go to tiles (:func:`choose_tile`); the plan
-    of least total cost, ties to the smaller block. Returns (P_d, tile size)."""
-    c = count.to("cpu", torch.long)
-    best = (0, *_best_tile(c))
-    for dense in TILE_SIZES:
-        size, spilled = _best_tile((c - dense).clamp(min=0))
-        cost = span * (dense + BLOCK_READ_PAIRS) + spilled
-        if cost < best[2]:
-            best = (dense, size, cost)
-        if dense >= int(c.max()):
-            break
-    return best[0], best[1]
+    return int(sizes[int(cost.argmin())])  # the first minimum: the smaller tile
 
 
 class _TileProduct(torch.autograd.Function):
@@ -291,9 +200,7 @@ def grouped_product(
 
     Args:
         x: [T, H, d] (``to_rows``: scores of folded queries) or [T, H, k·Ls] (mixing weights).
-        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype). Every
-            row must be finite, selected or not: the dense block reads whole slot ranges, and a
-            zero weight times a NaN row is NaN (the cache keeps unfilled slots at zero).
+        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype).
         groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`).
         to_rows: True -> [T, H, k·Ls]; False -> [T, H, d].
         normalize, eps: a parameter-free LayerNorm of the rows (pre-LN).
