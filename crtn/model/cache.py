@@ -6,8 +6,8 @@ of V_i) and the stream position of its first token.
 All of it is gradient-stopped.
 
 Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d] (zeros until a slot is
-filled), and renewal writes one slot in place, so a step costs O(B (n+1) Ls d) whatever N is (no copy of the
-cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
+filled), and renewal writes one slot in place, so a step costs O(B (n+1) Ls d) whatever N
+is (no copy of the cache). Rows of a batch advance in lockstep, so slots 0..n_valid-1 are the filled ones
 in every row and empty slots are simply never scored.
 
 Selection (docs/method.md §3 step 2): s_{j,i} = <q_j, k_i> / sqrt(d_key) over the valid slots;
@@ -61,6 +61,7 @@ def alpha_is_one(alpha_norm: str, top_k: int) -> bool:
     unweighted and the scores reach the loss only through the argmax, so they get no gradient
     and the query pass needs none."""
     return top_k == 1 and alpha_norm in ("topk", "original")
+
 
 _DTYPES = {
     "float32": torch.float32,
