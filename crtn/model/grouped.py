@@ -45,8 +45,8 @@ CHUNK_VALUES = 1 << 18
 class SlotGroups:
     """The (token, slot) pairs of a selection, grouped by slot into tiles of ``size`` pairs.
 
-    Pair i = t·k + p is token t's p-th selected slot. Shapes: T tokens (rows of the selection;
-    token-and-head rows for a selection per head), k slots per token, n_t tiles of P pairs.
+    Pair i = t·k + p is token t's p-th selected slot. Shapes: T tokens (rows of the selection),
+    k slots per token, n_t tiles of P pairs.
 
     Attributes:
         n_tokens: T; k: slots per token; size: P, pairs per tile.

@@ -75,10 +75,8 @@ class CacheContext:
 
     def selected(self, sel: Any) -> CacheContext:
         """This context with a layer's selection ``sel`` (a :class:`crtn.model.cache.Selection`
-        [B, L, G, k], G = H heads or 1 shared), the shared one as [B, L, k]."""
-        index, alpha, age = sel.flat_index, sel.alpha, sel.age
-        if index.shape[2] == 1:
-            index, alpha, age = index[:, :, 0], alpha[:, :, 0], age[:, :, 0]
+        [B, L, 1, k]: one group, shared by the heads) as [B, L, k]."""
+        index, alpha, age = sel.flat_index[:, :, 0], sel.alpha[:, :, 0], sel.age[:, :, 0]
         return replace(self, index=index, alpha=alpha, age=age, gate=None, groups=None)
 
     def slot_groups(self) -> SlotGroups:
@@ -152,13 +150,10 @@ def attend_with_cache(
 
 def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
-    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] (or [B*L*H, k], a selection per
-    head) -> [B*L, H, k*Ls]."""
+    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]."""
     B, L, H, dh = rw_q.shape
     w_k = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[1]
     q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(-1, H, attn.d_model)
-    if groups.n_tokens != q_model.shape[0]:  # per head: (token, head) pairs are the rows
-        q_model = q_model.reshape(-1, 1, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         out = (
@@ -172,21 +167,18 @@ def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups) 
 
 def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
     """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls], values
-    [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] (or [T*H, k], a selection per head)
-    -> [T, H, d_h]."""
-    T, H = prob_c.shape[:2]
-    dh = attn.d_head
-    w_v = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[2]
-    p = prob_c if groups.n_tokens == T else prob_c.reshape(T * H, 1, -1)
+    [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] -> [T, H, d_h]."""
+    H = prob_c.shape[1]
+    w_v = attn.qkv_net.weight.view(3, H, attn.d_head, attn.d_model)[2]
     if attn.pre_lnorm:
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         mix = (
-            grouped_product(p, values, groups, to_rows=False, normalize=True, eps=eps) * g
-            + p.sum(-1, keepdim=True) * b
+            grouped_product(prob_c, values, groups, to_rows=False, normalize=True, eps=eps) * g
+            + prob_c.sum(-1, keepdim=True) * b
         )
     else:
-        mix = grouped_product(p, values, groups, to_rows=False)  # [T, H, d] or [T*H, 1, d]
-    return torch.einsum("nhd,hed->nhe", mix.reshape(T, H, attn.d_model), w_v)
+        mix = grouped_product(prob_c, values, groups, to_rows=False)  # [T, H, d]
+    return torch.einsum("nhd,hed->nhe", mix, w_v)
 
 
 class RealPositions:
@@ -206,14 +198,10 @@ class RealPositions:
     current segment use too, as with ``cache.pos=concat``) and the scores are gathered
     from it: O(B L H d_h D) for D distances, in training only.
 
-    With a selection per head (age [B, L, H, k]) the terms of all H groups of segments are
-    computed for every head and each head keeps its own group (H times the work of a shared
-    selection; the position term is a small part of the step).
-
     Args:
         pos_emb: the model's :class:`crtn.model.attention.PositionalEmbedding`.
-        age: [B, L, k] long (or [B, L, H, k], per head), distance of each retrieved segment's
-            first row (``Selection.age``).
+        age: [B, L, k] long, distance of each retrieved segment's first row (``Selection.age``),
+            or [B, L, n_valid] for every filled slot.
         seg_len: Ls, rows per retrieved segment; q_len: L, tokens in the segment.
         clamp_len: -1 for none.
         dtype: compute dtype.
@@ -229,8 +217,6 @@ class RealPositions:
         dtype: torch.dtype,
     ):
         self.pos_emb, self.seg_len, self.q_len, self.dtype = pos_emb, seg_len, q_len, dtype
-        self.groups = age.shape[2] if age.dim() == 4 else 0  # heads with their own segments
-        age = age.flatten(2) if self.groups else age  # [B, L, k] or [B, L, H*k]
         self.age = age
         self.table: Tensor | None = None
         j = torch.arange(q_len, device=age.device)
@@ -269,15 +255,7 @@ class RealPositions:
         return out if self.table is None else out.with_table(self.table)
 
     def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
-        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]
-        (each head its own group of k segments when the selection is per head)."""
-        bd = self._bd(rr_q, r_weight)
-        if not self.groups:
-            return bd
-        B, H, L, _ = bd.shape  # [B, H, L, G*k*Ls]: head h keeps group h
-        return bd.view(B, H, L, H, -1).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
-
-    def _bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
+        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
         B, L, H, dh = rr_q.shape
         d = r_weight.shape[1]
         if self.table is not None:
