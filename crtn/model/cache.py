@@ -57,9 +57,9 @@ FAISS_INDEXES = ("flat", "hnsw")
 
 def alpha_is_one(alpha_norm: str, top_k: int) -> bool:
     """Whether alpha is 1 whatever the scores: one slot per token (``top_k`` 1) with ``topk`` (a
-    softmax over one score) or ``original`` (k times it); module docstring. The values are then
-    unweighted and the scores reach the loss only through the argmax, so they get no gradient
-    and the query pass needs none."""
+    softmax over one score) or ``original`` (k times it); docs/method.md §3 step 2 and the
+    module docstring. The values are then unweighted and the scores reach the loss only through
+    the argmax, so they get no gradient and the query pass needs none. Pure, no errors."""
     return top_k == 1 and alpha_norm in ("topk", "original")
 
 
