@@ -111,22 +111,38 @@ class ReclAppSpec:
 
 
 # ================================================================== crtn-bench
+#: the CRTN paper's cache as crtn-train overrides: retrieval in every layer, two segments, alpha
+#: over every slot (the paper's equation; docs/method.md §3 step 2); crtn's defaults are one
+#: segment at alpha 1 in the top two layers (docs/results.md, "The default cache")
+PAPER_CACHE = ("cache.layers=null", "cache.top_k=2", "cache.alpha_norm=all")
+
+
 def _table_rows() -> dict[str, list[str]]:
-    """The cost table's default rows: txl, the CRTN authors' model, the default CRTN and selection
-    inside attention (``query=gate``: mean-pooled block keys and the best row of token_max, shared by
-    the heads), each CRTN also with retrieval in the top 2 layers and in the
-    top layer only (``cache.layers``)."""
-    rows: dict[str, list[str]] = {"txl": ["model=txl"]}
+    """The cost table's default rows: txl; the default CRTN (``model=crtn``), also with retrieval
+    in every layer and in the top layer only (``cache.layers``); and, each with retrieval in
+    every layer, in the top 2 and in the top 1 (``_layers2``, ``_layers1``): the CRTN authors'
+    model, ``model=crtn`` with the CRTN paper's cache (:data:`PAPER_CACHE`) and selection inside
+    attention with it (``query=gate``: mean-pooled block keys and the best row of token_max,
+    shared by the heads)."""
+    rows: dict[str, list[str]] = {
+        "txl": ["model=txl"],
+        "default": ["model=crtn"],
+        "default_every_layer": ["model=crtn", "cache.layers=null"],
+        "default_layers1": ["model=crtn", "cache.layers=1"],
+    }
     crtns = {
         "crtn_original": ["model=crtn_original"],
-        "default": ["model=crtn"],
-        "gate": ["model=crtn", "query=gate"],
-        "gate_token_max": ["model=crtn", "query=gate", "summary=token_max"],
+        "paper_cache": ["model=crtn", *PAPER_CACHE],
+        "gate": ["model=crtn", "query=gate", *PAPER_CACHE],
+        "gate_token_max": ["model=crtn", "query=gate", "summary=token_max", *PAPER_CACHE],
     }
     for name, options in crtns.items():
         rows[name] = options
         for layers in (2, 1):
-            rows[f"{name}_layers{layers}"] = [*options, f"cache.layers={layers}"]
+            rows[f"{name}_layers{layers}"] = [
+                *(o for o in options if not o.startswith("cache.layers=")),
+                f"cache.layers={layers}",
+            ]
     return rows
 
 
@@ -164,7 +180,8 @@ class BenchSpec:
     d_inner: int = 1024
     tgt_len: int = 64  # and mem_len
     n_slot: int = 32
-    top_k: int = 2
+    # k of every row that sets none; None: the row's own (cache.top_k's default, or its model option's)
+    top_k: int | None = None
     n_slot_large: int = 1024  # the N-scaling target: step at n_slot_large / step at n_slot
     slots_scaling: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])  # the scaling section's
     keys_retrieval: list[int] = field(default_factory=lambda: [1_000, 10_000, 100_000])  # keys per row

@@ -47,7 +47,6 @@ SMOKE_SIZES = [
     "model.mem_len=8",
     "model.dropout=0.0",
     "cache.n_slot=8",
-    "cache.top_k=2",
 ]
 DEFAULT_ROWS = list(BenchSpec().rows)
 
@@ -139,12 +138,15 @@ def test_table_rows_are_composed_from_yaml(smoke):
     assert list(rows) == [*DEFAULT_ROWS, "last_l_mean"]
     assert DEFAULT_ROWS == [
         "txl",
+        "default",
+        "default_every_layer",
+        "default_layers1",
         "crtn_original",
         "crtn_original_layers2",
         "crtn_original_layers1",
-        "default",
-        "default_layers2",
-        "default_layers1",
+        "paper_cache",
+        "paper_cache_layers2",
+        "paper_cache_layers1",
         "gate",
         "gate_layers2",
         "gate_layers1",
@@ -153,22 +155,31 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "gate_token_max_layers1",
     ]
     spec = {name: r["spec"] for name, r in rows.items()}
+    n = spec["txl"]["model"]["n_layer"]
     for name in ("gate", "gate_layers1", "gate_token_max", "gate_token_max_layers2"):
         assert spec[name]["query"]["strategy"] == "gate"
     # model=crtn_original brings its query, summary and cache settings (conf/model/crtn_original.yaml)
     for name in ("crtn_original", "crtn_original_layers2", "crtn_original_layers1"):
         c = spec[name]["cache"]
-        assert (c["alpha_norm"], c["pos"]) == ("original", "real")
+        assert (c["alpha_norm"], c["pos"], c["top_k"]) == ("original", "real", 2)
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "last_state")
-    for name in ("default", "default_layers2", "default_layers1"):
+    for name in ("default", "default_every_layer", "default_layers1"):
         c = spec[name]["cache"]
-        assert (c["alpha_norm"], c["pos"]) == ("all", "concat")
+        assert (c["alpha_norm"], c["top_k"], c["pos"]) == ("topk", 1, "concat")
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "token_max")
-    assert [spec[n]["cache"]["layers"] for n in ("default", "default_layers2", "default_layers1")] == [
-        2,
-        2,
-        1,
-    ]
+    for name in (
+        "paper_cache",
+        "paper_cache_layers2",
+        "paper_cache_layers1",
+        "gate",
+        "gate_token_max_layers1",
+    ):
+        c = spec[name]["cache"]
+        assert (c["alpha_norm"], c["top_k"]) == ("all", 2)
+    layers = {name: spec[name]["cache"]["layers"] for name in spec if name != "txl"}
+    assert layers["default"] == min(2, n) and layers["default_every_layer"] == n
+    assert layers["paper_cache"] == layers["gate"] == layers["crtn_original"] == n
+    assert layers["paper_cache_layers1"] == layers["gate_token_max_layers1"] == 1
     assert (spec["last_l_mean"]["query"]["strategy"], spec["last_l_mean"]["summary"]["name"]) == (
         "last_l",
         "mean",

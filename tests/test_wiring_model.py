@@ -220,13 +220,13 @@ def selections(spec, n_seg: int = 6, model=None):
 
 def check_top_k(ctx: Ctx) -> None:
     assert selections(ctx.on)[-1].slot.shape == (2, 4, 3)
-    assert selections(ctx.off)[-1].slot.shape == (2, 4, 2)
+    assert selections(ctx.off)[-1].slot.shape == (2, 4, 1)
 
 
 def check_alpha_norm(ctx: Ctx) -> None:
     on, off = selections(ctx.on)[-1].alpha.sum(-1), selections(ctx.off)[-1].alpha.sum(-1)
-    torch.testing.assert_close(on, torch.ones_like(on))  # topk: a softmax over the k selected
-    assert (off < 1 - 1e-4).all()  # all: the k selected of a softmax over every slot
+    assert (on < 1 - 1e-4).all()  # all: the k selected of a softmax over every slot
+    torch.testing.assert_close(off, torch.ones_like(off))  # topk: a softmax over the k selected
 
 
 def check_weighted(ctx: Ctx) -> None:
@@ -367,7 +367,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "model.flex": Wire(True, check_flex),
     "cache.n_slot": Wire(6, check_n_slot),
     "cache.top_k": Wire(3, check_top_k),
-    "cache.alpha_norm": Wire("topk", check_alpha_norm),
+    "cache.alpha_norm": Wire("all", check_alpha_norm, extra=("cache.top_k=2",)),
     "cache.weighted": Wire(False, check_weighted),
     "cache.pos": Wire("real", check_pos),
     "cache.backend": Wire("faiss", check_backend, extra=FAISS[1:]),
@@ -376,7 +376,8 @@ MODEL_WIRING: dict[str, Wire] = {
     "cache.key_layer": Wire(1, check_key_layer, extra=(LAST_STATE,)),
     "cache.dtype": Wire("float16", check_dtype),
     "query.strategy": Wire("last_l", check_strategy, extra=(LAST_STATE,)),
-    "query.detach": Wire(True, check_detach, extra=(LAST_STATE,)),
+    # alpha below 1 (alpha_norm all): with an alpha of 1 the selection has no gradient to stop
+    "query.detach": Wire(True, check_detach, extra=(LAST_STATE, "cache.alpha_norm=all")),
     "summary.name": Wire("mean", check_summary_name),
     "summary.d_key": Wire(6, check_d_key),
     "summary.ngram": Wire(2, check_ngram),

@@ -355,7 +355,7 @@ RUN_WIRING: dict[str, Wire] = {
     "eval.clamp_len": Wire(3, twin_attribute("clamp_len", 3, -1)),
     "eval.same_length": Wire(True, twin_attribute("same_length", True, False)),
     "eval.n_slot": Wire(6, reported("n_slot", 6, 4)),
-    "eval.top_k": Wire(1, reported("top_k", 1, 2)),
+    "eval.top_k": Wire(2, reported("top_k", 2, 1)),
     "eval.batch_size": Wire(2, check_eval_batch_size),
     "eval.max_step": Wire(2, check_final_max_step),
     "seed": Wire(7, check_seed),

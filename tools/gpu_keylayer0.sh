@@ -13,7 +13,7 @@
 set -euo pipefail
 OUT=${OUT:?set OUT to the folder that receives the results}
 RUNS=${RUNS:-/tmp/keylayer0}
-EXACT="cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
+EXACT="cache.layers=null cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
 ARGS="+experiment=wt2_char $EXACT train.device=cuda data.batch_size=64 data.eval_batch_size=64
     train.max_step=5000 train.max_time=240 train.eval_interval=1000 train.progress=false"
 # the replaced behaviour: the model with clean_layer0 off (layer 0 stored after dropout)

@@ -16,7 +16,7 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that receives the results}
 T=${1:-180}
-EXACT="cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
+EXACT="cache.layers=null cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
 ROWS=(bench.sections=[table] bench.device=cuda bench.batch=64 bench.rounds=5 bench.memory=true
     "bench.only=[default,crtn_original,gate_token_max,gate_token_max_layers2,exact8]"
     "+bench.rows.exact8=['${EXACT// /\',\'}']")

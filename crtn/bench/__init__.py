@@ -34,7 +34,8 @@ Sections (``bench.sections``; they run in this order):
   and ``bench.eval_slots`` slots, with the share of its time spent in retrieval.
 
 The standard sizes (every section but ``config``): vocabulary 256, n_layer 4, d_model 256,
-n_head 4, d_inner 1024, tgt_len = mem_len = 64, batch 16, n_slot 32, top_k 2.
+n_head 4, d_inner 1024, tgt_len = mem_len = 64, batch 16, n_slot 32, and each model's own top_k
+(``cache.top_k``'s default, or its model option's; ``bench.top_k`` sets one for every row).
 
 Method: all configurations of a comparison live in one process; each is first run until its
 memory and cache are full (steady state; slots beyond the first 64 are filled with random
@@ -123,7 +124,7 @@ def resolve_bench(s: BenchSpec, given: dict[str, Any] | None = None) -> BenchSpe
     for name in s.strategies:
         check_choice("bench.strategies", name, STRATEGIES)
     for key in _POSITIVE:
-        if getattr(s, key) <= 0:
+        if getattr(s, key) is not None and getattr(s, key) <= 0:  # top_k None: each row's own
             raise ConfigError(f"bench.{key}={getattr(s, key)} must be > 0")
     if s.warmup < 0:
         raise ConfigError(f"bench.warmup={s.warmup} must be >= 0")

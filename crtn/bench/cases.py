@@ -79,7 +79,8 @@ def model_spec(s: BenchSpec, name: str, mem_len: int, **kw: Any) -> ResolvedSpec
 
 
 def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
-    """The dotted keys a benchmark model sets over the schema: the standard sizes, and dropout 0."""
+    """The dotted keys a benchmark model sets over the schema: the standard sizes (``top_k`` only
+    when ``bench.top_k`` is set), and dropout 0."""
     return {
         "model.n_layer": s.n_layer,
         "model.d_model": s.d_model,
@@ -90,7 +91,7 @@ def size_overrides(s: BenchSpec, mem_len: int) -> dict[str, Any]:
         "model.mem_len": mem_len,
         "model.dropout": 0.0,
         "cache.n_slot": s.n_slot,
-        "cache.top_k": s.top_k,
+        **({} if s.top_k is None else {"cache.top_k": s.top_k}),
     }
 
 

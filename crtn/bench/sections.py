@@ -23,6 +23,7 @@ from crtn.bench.cases import (
 )
 from crtn.config import default_summary
 from crtn.model import SegmentCache
+from crtn.model.spec import CacheSpec
 from crtn.model.summary import make_summary
 
 #: pairings of the N-scaling rows: ``token`` with one key per slot (``last_state``; the
@@ -73,8 +74,9 @@ def bench_strategies(b: Bench) -> dict[str, Any]:
         cases = [make_case(f"txl(mem_len={L})", model_spec(s, "txl", L), s, device=b.device, train=train)]
         what = {cases[0].name: f"Transformer-XL, memory {L} (the reference)"}
         for name, measures, kw in strategy_cases(s.strategies):
-            cases.append(make_case(name, model_spec(s, "crtn", L, **kw), s, device=b.device, train=train))
-            what[name] = f"{measures}; n_slot={s.n_slot}, top_k={s.top_k}"
+            spec = model_spec(s, "crtn", L, **kw)
+            cases.append(make_case(name, spec, s, device=b.device, train=train))
+            what[name] = f"{measures}; n_slot={s.n_slot}, top_k={spec.cache.top_k}"
         b.log(f"strategies/{mode}: timing {len(cases)} configurations")
         time_cases(cases, b, memory=train)
         out[mode] = [{**row(c, cases[0]), "measures": what[c.name]} for c in cases]
@@ -98,7 +100,7 @@ def bench_range(b: Bench) -> dict[str, Any]:
     rows = [row(c, cases[0]) for c in cases]
     rows[0]["measures"] = f"Transformer-XL whose memory covers crtn's range, m + N L = {long_mem}"
     for r, c in zip(rows[1:], cases[1:]):
-        r["measures"] = f"default summary, mem_len={L}, n_slot={N}, top_k={s.top_k}"
+        r["measures"] = f"default summary, mem_len={L}, n_slot={N}, top_k={c.model.spec.cache.top_k}"
         r["speedup_vs_txl_same_range"] = tokens_per_s(c) / tokens_per_s(cases[0])
     free(cases)
     return {"range_tokens": long_mem, "rows": rows}
@@ -149,7 +151,7 @@ def bench_retrieval(b: Bench) -> dict[str, Any]:
     """Top-k retrieval alone (torch, faiss flat, faiss HNSW; ``bench.keys_retrieval`` keys, one
     segment of queries), then a faiss evaluation step (:func:`bench_eval_faiss`)."""
     s = b.s
-    d, L, k = s.d_model, s.tgt_len, s.top_k
+    d, L, k = s.d_model, s.tgt_len, CacheSpec.top_k if s.top_k is None else s.top_k
     rows = []
     rng = np.random.default_rng(0)
     for n in s.keys_retrieval:

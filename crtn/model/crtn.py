@@ -322,30 +322,33 @@ class CRTN(TransformerLM):
 
 
 def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> CacheSpec:
-    """``cache.layers`` (None: all n) and ``cache.key_layer`` (None: the top, or with fewer layers
-    the input of the first retrieving one, the only valid choice then; left None for selection
-    inside attention, ``gate``, where every retrieving layer scores with its own input), checked
-    and filled.
+    """``cache.layers`` (None: all n; a number: the top min(layers, n) layers, so a model of no
+    more layers than that retrieves in every one) and ``cache.key_layer`` (None: the top, or
+    with fewer layers the input of the first retrieving one, the only valid choice then; left
+    None for selection inside attention, ``gate``, where every retrieving layer scores with its
+    own input), checked and filled (docs/method.md §3, "Retrieval in the upper layers only").
 
     Raises:
-        ConfigError: layers outside 1..n; fewer layers without one segment of memory for the shared
-            lower layers; a key layer outside 0..n, or another than the first retrieving layer's input.
+        ConfigError: layers below 1; fewer layers than n without one segment of memory for the
+            shared lower layers; a key layer outside 0..n, or another than the first retrieving
+            layer's input.
     """
     n = model.n_layer
-    layers = n if cache.layers is None else cache.layers
-    if not 1 <= layers <= n:
-        raise ConfigError(f"cache.layers={cache.layers} must be in 1..model.n_layer={n} (null: all)")
+    if cache.layers is not None and cache.layers < 1:
+        raise ConfigError(f"cache.layers={cache.layers} must be >= 1 (null: every layer)")
+    layers = n if cache.layers is None else min(cache.layers, n)
     below = n - layers
     if layers < n:
         if model.mem_len < model.tgt_len:
             raise ConfigError(
                 f"cache.layers={layers} needs model.mem_len >= model.tgt_len (the shared lower "
-                f"layers' memory); got mem_len={model.mem_len}"
+                f"layers' memory); got mem_len={model.mem_len} (cache.layers=null: every layer retrieves)"
             )
         if cache.key_layer not in (None, below):
             raise ConfigError(
                 f"cache.key_layer={cache.key_layer}: with cache.layers={layers} keys and queries come "
-                f"from layer {below}, the input of the first retrieving layer (leave key_layer null)"
+                f"from layer {below}, the input of the first retrieving layer (leave key_layer null, "
+                "or cache.layers=null for keys at another layer)"
             )
     if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
         raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")

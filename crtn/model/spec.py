@@ -77,14 +77,19 @@ class ModelSpec:
 class CacheSpec:
     """The key-value cache of past segments and its retrieval (docs/method.md §3)."""
 
+    # the defaults: one retrieved segment at alpha 1, read by the top two layers, the cheapest
+    # configuration that keeps the recall task's accuracy (docs/results.md, "The default cache");
+    # the CRTN paper's cache is top_k 2, alpha_norm all, layers null
     n_slot: int = 8  # N: past segments held per batch row
-    top_k: int = 2  # k: segments retrieved per query token
-    alpha_norm: str = "all"  # all | topk | original (the authors' code), see crtn/model/cache.py
+    top_k: int = 1  # k: segments retrieved per query token
+    alpha_norm: str = "topk"  # all (the paper) | topk | original (the authors' code), crtn/model/cache.py
     weighted: bool = True  # values scaled by alpha (keys never are)
     pos: str = "concat"  # concat | real: relative positions of retrieved segments
     backend: str = "torch"  # torch | faiss (faiss: alpha_norm=topk only)
     faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
-    layers: int | None = None  # retrieval in the top `layers` layers only; None: all (the paper)
+    # retrieval in the top min(layers, n_layer) layers only, the layers below run once; None: every
+    # layer (the paper)
+    layers: int | None = 2
     # hidden layer of keys and queries (0 embeddings .. n top); None: the top, or the input of the
     # first retrieving layer with `layers`
     key_layer: int | None = None
