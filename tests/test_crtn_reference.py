@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 
+from crtn.errors import ConfigError
 from crtn.model import valid_pairs
 from tests.helpers import tiny_model
 from tests.reference import NaiveCRTN
@@ -287,6 +288,27 @@ def test_zero_slots_or_zero_k_is_exactly_txl():
         assert torch.equal(outs[0].hidden, outs[1].hidden)
         assert torch.equal(outs[0].nll, outs[1].nll)
         assert torch.equal(outs[2].nll, outs[1].nll)
+
+
+def test_more_retrieving_layers_than_the_model_has_is_every_layer():
+    """cache.layers counts from the top and stops at the model's depth (docs/method.md §3,
+    "Retrieval in the upper layers only"): on 3 layers, 5 resolves to 3 and builds the model of
+    cache.layers=null, equal in its outputs to the last bit; 0 retrieving layers is refused."""
+    torch.manual_seed(0)
+    every = tiny_model(V, **{"model.name": "crtn", "model.n_layer": 3, "cache.layers": None})
+    deep = tiny_model(V, **{"model.name": "crtn", "model.n_layer": 3, "cache.layers": 5})
+    assert (deep.spec.cache.layers, deep.spec.cache.key_layer) == (3, 3)
+    assert (every.spec.cache.layers, every.spec.cache.key_layer) == (3, 3)
+    deep.load_state_dict(every.state_dict())
+    tokens = torch.randint(0, V, (2, 6 * deep.tgt_len + 1))
+    states = [None, None]
+    for x, y in zip(tokens[:, :-1].split(deep.tgt_len, 1), tokens[:, 1:].split(deep.tgt_len, 1)):
+        outs = [m(x, y, s) for m, s in zip((every, deep), states)]
+        states = [o.state for o in outs]
+        assert torch.equal(outs[0].nll, outs[1].nll)
+    assert outs[1].selection is not None  # the cache was read
+    with pytest.raises(ConfigError, match=r"cache.layers=0 must be >= 1 \(null: every layer\)"):
+        tiny_model(V, **{"model.name": "crtn", "cache.layers": 0})
 
 
 # cache.layers and cache.key_layer on a 3-layer model: every valid pairing (crtn/model/__init__.py
