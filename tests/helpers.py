@@ -13,7 +13,9 @@ from crtn.model import TransformerLM, build_model, resolve_spec
 
 #: Values the tests were written against where they differ from the schema's defaults (which
 #: are the command line's since crtn.config became the one source of defaults).
-TEST_DEFAULTS = {"summary.name": "last_state"}
+#: The cache: the CRTN paper's (every layer retrieves, alpha over every slot, k 2 in TINY), the general
+#: path with alpha below 1 and its gradient; crtn's default cache has its own reference tests.
+TEST_DEFAULTS = {"summary.name": "last_state", "cache.layers": None, "cache.alpha_norm": "all"}
 #: The synthetic corpus the data tests were written against (data.synthetic.* differing from the schema).
 TEST_SYNTHETIC = {"vocab_size": 128, "max_gap": 320, "train_tokens": 1_000_000}
 

@@ -12,7 +12,8 @@ from tests.test_crtn_reference import NEW_OPTIONS, run_both
 #: the authors' choices: --query_method single (the token's own state), --summary_method
 #: last_state, alpha as in CRTN/layers/transformer.py with cache_theta 1 (the only temperature here),
 #: values weighted by alpha,
-#: real positions (close to their --farnear distances), FIFO renewal
+#: real positions (close to their --farnear distances), FIFO renewal, two segments retrieved in every
+#: layer
 AUTHORS = {
     "model.name": "crtn",
     "query.strategy": "token",
@@ -21,6 +22,8 @@ AUTHORS = {
     "cache.alpha_norm": "original",
     "cache.weighted": True,
     "cache.pos": "real",
+    "cache.top_k": 2,
+    "cache.layers": None,
 }
 RETRIEVAL = [k for k in AUTHORS if k.split(".")[0] in ("query", "summary", "cache")]
 

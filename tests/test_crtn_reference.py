@@ -197,6 +197,16 @@ NEW_OPTIONS = {
         "cache.alpha_norm": "original",
         "cache.pos": "real",
     },
+    # model=crtn's own cache (crtn/model/spec.py CacheSpec): one slot at alpha 1, read by the top
+    # two of three layers, with its query and summary (token / token_max)
+    "crtn_default_cache": {
+        "model.n_layer": 3,
+        "cache.layers": 2,
+        "cache.top_k": 1,
+        "cache.alpha_norm": "topk",
+        "query.strategy": "token",
+        "summary.name": "token_max",
+    },
 }
 
 
