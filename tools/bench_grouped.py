@@ -4,11 +4,9 @@ with that commit's ``crtn/model/retrieved.py`` (the per-token product it replace
 alternating in one process, so the ratios are side by side on the same machine state.
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
-    OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_tm_l2 --profile
+    OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_token_max_layers2 --profile
 
-Rows (``--rows``, comma-separated; :data:`ROWS`: ``crtn-bench`` table rows, ``default_all``, the
-default with alpha below 1 (``alpha_norm=all``), and ``k1_all``, one slot at alpha below 1 in every
-layer) at its standard sizes
+Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case, ``--peak`` each case's peak
@@ -32,30 +30,17 @@ from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
 import crtn.model.attention as attention
-from crtn.app_config import PAPER_CACHE, BenchSpec
+from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+#: ``crtn-bench``'s table rows, and three more: ``default_all`` (the default with alpha below 1),
+#: ``k1_all`` (one slot at alpha below 1 in every layer) and ``ngram8`` (exact 8-gram retrieval)
 ROWS = {
-    "txl": ["model=txl"],
-    "default": ["model=crtn"],
-    "default_every_layer": ["model=crtn", "cache.layers=null"],
-    "default_layers1": ["model=crtn", "cache.layers=1"],
+    **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
     "k1_all": ["model=crtn", "cache.layers=null", "cache.alpha_norm=all"],
-    "paper_cache": ["model=crtn", *PAPER_CACHE],
-    "paper_cache_layers2": ["model=crtn", "cache.top_k=2", "cache.alpha_norm=all", "cache.layers=2"],
-    "crtn_original": ["model=crtn_original"],
-    "gate_tm": ["model=crtn", "query=gate", "summary=token_max", *PAPER_CACHE],
-    "gate_tm_l2": [
-        "model=crtn",
-        "query=gate",
-        "summary=token_max",
-        "cache.top_k=2",
-        "cache.alpha_norm=all",
-        "cache.layers=2",
-    ],
     "ngram8": [
         "model=crtn",
         "cache.layers=null",
@@ -88,7 +73,9 @@ def old_attend(commit: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="default,paper_cache,crtn_original,gate_tm,gate_tm_l2,ngram8")
+    ap.add_argument(
+        "--rows", default="default,paper_cache,crtn_original,gate_token_max,gate_token_max_layers2,ngram8"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default=None, help="also time each row with this commit's retrieved.py")
     ap.add_argument("--profile", action="store_true")
