@@ -420,3 +420,27 @@ def test_unfilled_slots_hold_zeros_and_never_reach_a_prediction():
         grads[-1].append(out.nll.detach())
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_equal_scores_go_to_the_most_recent_slots_after_the_ring_wrapped(k):
+    """With N = 3 after 9 steps the ring has wrapped, so slot order is not age order. One slot
+    scores 0 and the other two tie at 1 for every token, each slot losing in turn (so in some
+    case the older of the tied pair sits first in the ring): the k best are the tied pair, the
+    more recent first (k = 1: the newer of the two; k = 2: both, returned oldest first)."""
+    model = tiny_model(V, **{"model.name": "crtn", "cache.n_slot": 3})
+    _, state = drive(model, 9)
+    cache = state.cache
+    cache.commit()
+    pos = cache.pos  # [B, 3] stream position of each slot's first token
+    assert not (pos[:, 1:] > pos[:, :-1]).all()  # wrapped: not ascending in slot index
+    B, L = pos.shape[0], model.tgt_len
+    by_age = pos.argsort(1)  # [B, 3] slots oldest first
+    rows = torch.arange(B)
+    for loser in range(3):
+        scores = torch.ones(B, L, 3)
+        scores[rows, :, by_age[:, loser]] = 0.0
+        tied = by_age[:, [a for a in range(3) if a != loser]]  # [B, 2] oldest first
+        sel = cache.choose(scores, top_k=k, alpha_norm="topk", t0=int(pos.max()) + L)
+        want = tied[:, 1:] if k == 1 else tied
+        assert torch.equal(sel.slot, want[:, None, :].expand(B, L, k)), loser

@@ -60,6 +60,23 @@ def test_row_match_equals_the_per_token_loop(monkeypatch, w, s, chunk):
     _check(w, s, ties=False)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_without_gradient_the_scores_are_the_same(monkeypatch, w, s, ties):
+    """Under ``torch.no_grad`` (a selection at alpha 1) and with inputs that need no gradient the
+    match takes its forward-only path: the same scores as the naive loop to 1e-10, with chunks of
+    two slots."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    query, rows, lead = _inputs(w, s, ties=ties)
+    want = naive_ngram_row_scores(query, rows, lead, w, s)
+    with torch.no_grad():
+        got = ngram_row_scores(query, rows, lead, ngram=w, shift=s)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-10)
+    plain = [None if t is None else t.detach() for t in (query, rows, lead)]
+    torch.testing.assert_close(ngram_row_scores(*plain, ngram=w, shift=s), want.detach(), rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize(("w", "s"), CASES)
 def test_a_max_shared_by_rows_splits_its_gradient_as_amax(monkeypatch, w, s):
     """One-hot vectors make many maxima equal: each attaining row gets an equal part of the

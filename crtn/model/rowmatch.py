@@ -4,7 +4,9 @@
 the ``token_max`` block key of selection inside attention (``crtn/model/gate.py``): for every
 query j and slot i, max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>. It reads every row of every
 slot, B L N L d multiply-adds per step; what this module removes is everything else that grew with
-N L L: the score block of all slots, its w shifted copies and their gradients.
+N L L: the score block of all slots, its w shifted copies and their gradients. Where no gradient
+is needed (a selection at alpha 1, :func:`crtn.model.cache.alpha_is_one`) only the maxima are
+kept, not the rows that attain them.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
         )
     if n_lead == 0:
         lead = None
-    if lead is None:
-        return _NgramRowMax.apply(query, rows, ngram, shift)
-    return _NgramRowMax.apply(query, rows, ngram, shift, lead)
+    inputs = (query, rows) if lead is None else (query, rows, lead)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return _row_max(query, rows, lead, w=ngram)  # a selection without gradient (alpha of 1)
+    return _NgramRowMax.apply(query, rows, ngram, shift, *inputs[2:])
 
 
 def _chunk_slots(query: Tensor, n_cols: int) -> int:
@@ -88,6 +91,20 @@ def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple
             total[..., :k] += before[:, j : j + L, :, j : j + k]
             total[..., k:] += ext[:, j : j + L, :, : Ls - k]
     return total
+
+
+def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Tensor:
+    """:func:`ngram_row_scores` where no gradient is needed: the chunks' maxima only, without the
+    rows that attain them or the check for ties that the backward pass of :class:`_NgramRowMax`
+    reads. Returns [G, L, n]."""
+    G, Lq, _ = query.shape
+    N, Ls = rows.shape[1], rows.shape[2]
+    step = _chunk_slots(query, Ls + (0 if lead is None else lead.shape[2]))
+    best = query.new_empty(G, Lq - w + 1, N)
+    for i0 in range(0, N, step):
+        i1 = min(N, i0 + step)
+        best[:, :, i0:i1] = _chunk_sums(query, rows, lead, span=(i0, i1), w=w).amax(-1)
+    return best * (1.0 / w) if w > 1 else best
 
 
 class _NgramRowMax(torch.autograd.Function):
