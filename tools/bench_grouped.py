@@ -1,9 +1,12 @@
 """Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
 grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
-with that commit's ``crtn/model/retrieved.py`` (the per-token product it replaced), every case
-alternating in one process, so the ratios are side by side on the same machine state.
+with that commit's retrieved attention, row match and top-k (:data:`SWAPS`: ``attend_with_cache``
+of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of ``crtn/model/rowmatch.py``,
+``SegmentCache._top`` of ``crtn/model/cache.py``), every case alternating in one process, so the
+ratios are side by side on the same machine state.
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
+    OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_token_max_layers2 --profile
 
 Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
@@ -30,16 +33,21 @@ from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
 import crtn.model.attention as attention
+import crtn.model.gate as gate
+import crtn.model.summary as summary
 from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
+from crtn.model.cache import SegmentCache
 
 ROOT = Path(__file__).resolve().parents[1]
-#: ``crtn-bench``'s table rows, and three more: ``default_all`` (the default with alpha below 1),
-#: ``k1_all`` (one slot at alpha below 1 in every layer) and ``ngram8`` (exact 8-gram retrieval)
+#: ``crtn-bench``'s table rows, and four more: ``default_all`` (the default with alpha below 1),
+#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval) and
+#: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
+    "default_n1024": ["model=crtn", f"cache.n_slot={BenchSpec().n_slot_large}"],
     "k1_all": ["model=crtn", "cache.layers=null", "cache.alpha_norm=all"],
     "ngram8": [
         "model=crtn",
@@ -53,22 +61,54 @@ ROWS = {
 }
 
 
-def old_attend(commit: str):
-    """``attend_with_cache`` of ``crtn/model/retrieved.py`` at ``commit``."""
+#: what ``--before`` replaces: (file, attribute of it, [(module, name) it is read through])
+SWAPS = [
+    ("crtn/model/retrieved.py", "attend_with_cache", [(attention, "attend_with_cache")]),
+    (
+        "crtn/model/rowmatch.py",
+        "ngram_row_scores",
+        [(summary, "ngram_row_scores"), (gate, "ngram_row_scores")],
+    ),
+    ("crtn/model/cache.py", "SegmentCache._top", [(SegmentCache, "_top")]),
+]
+
+
+def old_module(commit: str, path: str):
+    """The module at ``path`` as it was at ``commit`` (loaded under a name of its own)."""
     text = subprocess.run(
-        ["git", "show", f"{commit}:crtn/model/retrieved.py"],
+        ["git", "show", f"{commit}:{path}"],
         cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "retrieved_before.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("retrieved_before", path)
+    name = Path(path).stem + "_before"
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["retrieved_before"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.attend_with_cache
+    return module
+
+
+def implementations(commit: str | None) -> dict[str, list[tuple[object, str, object]]]:
+    """Per version ("" now, "_before" at ``commit``), the (holder, name, value) settings of :data:`SWAPS`."""
+    out: dict[str, list[tuple[object, str, object]]] = {"": []}
+    for path, attr, holders in SWAPS:
+        out[""] += [(h, n, getattr(h, n)) for h, n in holders]
+        if not commit:
+            continue
+        try:
+            value = old_module(commit, path)
+            for part in attr.split("."):
+                value = getattr(value, part)
+        except (subprocess.CalledProcessError, AttributeError):  # not there yet: keep today's
+            print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
+            value = None
+        before = out.setdefault("_before", [])
+        before += [(h, n, getattr(h, n) if value is None else value) for h, n in holders]
+    return out
 
 
 def main() -> None:
@@ -77,7 +117,7 @@ def main() -> None:
         "--rows", default="default,paper_cache,crtn_original,gate_token_max,gate_token_max_layers2,ngram8"
     )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--before", default=None, help="also time each row with this commit's retrieved.py")
+    ap.add_argument("--before", default=None, help="also time each row with this commit's SWAPS")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--peak", action="store_true", help="peak step memory of each case (the profiler's trace)"
@@ -93,18 +133,21 @@ def main() -> None:
     rows = compose_rows(s)
     dev = torch.device("cpu")
     cases = [make_case(r.name, r.spec, s, device=dev) for r in rows]
-    attend = {"": attention.attend_with_cache}
+    versions = implementations(a.before)
     if a.before:
-        attend["_before"] = old_attend(a.before)
         cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows[1:]]
     stepper = Stepper(dev, amp=False)
 
+    def use(c) -> None:
+        for holder, name, value in versions["_before" if c.name.endswith("_before") else ""]:
+            setattr(holder, name, value)
+
     def step(c) -> None:
-        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
+        use(c)
         stepper(c)
 
     for c in cases:
-        attention.attend_with_cache = attend["_before" if c.name.endswith("_before") else ""]
+        use(c)
         stepper.fill(c)
         step(c)
     for _ in range(a.rounds):
