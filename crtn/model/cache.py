@@ -361,10 +361,11 @@ class SegmentCache:
         B, nv = scores.shape[0], scores.shape[-1]
         newest_first = self.pos[:, :nv].argsort(1, descending=True)  # [B, nv]
         order = newest_first.view(B, *[1] * (scores.dim() - 2), nv).expand(scores.shape)
+        ordered = scores.gather(-1, order)
         if k == 1:  # the first maximum in that order (torch.max returns the first): no sort of N
-            top, idx = scores.gather(-1, order).max(-1, keepdim=True)
+            top, idx = ordered.max(-1, keepdim=True)
             return top, order.gather(-1, idx)
-        ranked, idx = scores.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        ranked, idx = ordered.sort(dim=-1, descending=True, stable=True)
         return ranked[..., :k], order.gather(-1, idx[..., :k])
 
     def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int) -> Selection:

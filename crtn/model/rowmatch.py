@@ -60,10 +60,11 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
     return _NgramRowMax.apply(query, rows, ngram, shift, *inputs[2:])
 
 
-def _chunk_slots(query: Tensor, n_cols: int) -> int:
-    """Slots per chunk: a score block [G, Lq, slots, n_cols] of at most :data:`CHUNK_ELEMENTS`
-    (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
+def _chunk_slots(query: Tensor, rows: Tensor, lead: Tensor | None) -> int:
+    """Slots per chunk: a score block [G, Lq, slots, Ls + lead-in rows] of at most
+    :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
     budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
+    n_cols = rows.shape[2] + (0 if lead is None else lead.shape[2])
     return max(1, budget // max(1, query.shape[0] * query.shape[1] * n_cols))
 
 
@@ -98,8 +99,8 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
     rows that attain them or the check for ties that the backward pass of :class:`_NgramRowMax`
     reads. Returns [G, L, n]."""
     G, Lq, _ = query.shape
-    N, Ls = rows.shape[1], rows.shape[2]
-    step = _chunk_slots(query, Ls + (0 if lead is None else lead.shape[2]))
+    N = rows.shape[1]
+    step = _chunk_slots(query, rows, lead)
     best = query.new_empty(G, Lq - w + 1, N)
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
@@ -114,9 +115,9 @@ class _NgramRowMax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, rows, w, shift, lead=None):  # type: ignore[override]
         G, Lq, _ = query.shape
-        N, Ls = rows.shape[1], rows.shape[2]
+        N = rows.shape[1]
         L = Lq - w + 1
-        step = _chunk_slots(query, Ls + (0 if lead is None else lead.shape[2]))
+        step = _chunk_slots(query, rows, lead)
         best = query.new_empty(G, L, N)
         where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
         tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)
