@@ -40,7 +40,7 @@ from crtn.checkpoint import checkpoint_spec, load_checkpoint
 from crtn.config import ResolvedRun, check_eval_cache
 from crtn.errors import ConfigError, UserError
 from crtn.rundir import RunDirLocked, lock_run_dir, previous_run
-from crtn.utils import atomic_write, atomic_write_text, tune_allocator
+from crtn.utils import atomic_write, atomic_write_text, flush_denormals, tune_allocator
 
 #: Where every app's primary config lives (``conf/`` is installed as the package ``crtn.conf``).
 CONFIG_PATH = "pkg://crtn.conf"
@@ -228,7 +228,6 @@ def run_app(
     (:func:`run_with_status`). The Hydra job is named
     after ``task``'s module (``train``, ``evaluate``...), as if ``task`` were the decorated function.
     """
-    tune_allocator()
     register_configs()
     schema = APP_SCHEMAS[config_name]
 
@@ -241,6 +240,12 @@ def run_app(
 
     @functools.wraps(task)
     def job(cfg: Any) -> Any:
+        # in the process that runs the job (a launcher's worker, too), before its first tensor
+        tune_allocator()
+        if flush_denormals():
+            logging.getLogger(prog).info("CPU arithmetic flushes denormal floats to zero")
+        else:
+            logging.getLogger(prog).warning("denormal floats are not flushed to zero in every CPU thread")
         if record_status:
             return run_with_status(prog, checked, cfg, lock=lock)
         with report_user_errors(prog):

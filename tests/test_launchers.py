@@ -43,6 +43,8 @@ def test_launcher_runs_one_job_per_combination(tmp_path, launcher):
     assert [j["config"]["summary"]["name"] for j in found.values()] == ["token_max", "identity"]
     for j in found.values():
         assert j["status"]["state"] == "done" and j["results"]["steps"] == 4
+    for d in found:  # set in the worker process that ran the job, not only in the launching one
+        assert "CPU arithmetic flushes denormal floats to zero" in (sweep / d / "train.log").read_text()
 
 
 def test_failed_job_does_not_stop_the_sweep(tmp_path):

@@ -39,6 +39,7 @@ from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
+from crtn.utils import flush_denormals
 
 ROOT = Path(__file__).resolve().parents[1]
 #: ``crtn-bench``'s table rows, and four more: ``default_all`` (the default with alpha below 1),
@@ -126,6 +127,7 @@ def main() -> None:
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
     a = ap.parse_args()
+    flush_denormals()  # as crtn-bench does
     if a.random_fill:
         cases_module.REAL_FILL_SLOTS = 2
     names = ["txl", *a.rows.split(",")]
