@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
@@ -61,8 +63,6 @@ def flush_denormals() -> bool:
         whether the mode is on and a parallel product of denormals comes out zero in every
         thread: False on a CPU without the mode, or when threads created earlier keep the old mode.
     """
-    import torch
-
     if not torch.set_flush_denormal(True):
         return False
     probe = torch.full((1 << 20,), 1e-30) * 1e-10  # 1e-40 is denormal: large enough to run on every thread
