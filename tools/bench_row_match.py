@@ -6,6 +6,7 @@ in one process, alternating (docs/results.md, "Performance").
     python tools/bench_row_match.py                          # CPU, batch 16, N = 32 and 1,024
     python tools/bench_row_match.py --device cuda --batch 64
     python tools/bench_row_match.py --smoke                  # tiny sizes, seconds
+    python tools/bench_row_match.py --sections product       # the product alone, float32 and bfloat16
 
 ``score``: one call of the row match and its backward w.r.t. the queries (w = 4, s = 1, the
 defaults) on random rows of the bench's sizes (L 64, d 256). ``step``: crtn-bench's training step
@@ -14,6 +15,8 @@ the default model at N = 32 and the large N, each with the chunked and the unchu
 and Transformer-XL whose memory covers the range at N = 32 (m + N L): the N-scaling ratio
 (step at the large N over step at N = 32) and the range ratio (tokens/s over that
 Transformer-XL's) of each implementation. Peak memory on a GPU (``--device cuda``) only.
+``product`` (not in the default sections): the product that dominates the match at large N, in
+float32 and in bfloat16, batched and one batch row at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from crtn.app_config import BenchSpec  # noqa: E402
 from crtn.bench.cases import Stepper, make_case, model_cfg, sync  # noqa: E402
 from crtn.model import summary as summary_module  # noqa: E402
-from crtn.model.rowmatch import ngram_row_scores  # noqa: E402
+from crtn.model.rowmatch import _chunk_slots, ngram_row_scores  # noqa: E402
 
 
 def unchunked_row_scores(query, rows, lead, *, ngram: int, shift: int):
@@ -93,6 +96,56 @@ def bench_score(s: BenchSpec, slots: list[int], rounds: int, device: torch.devic
             row[f"{name}_ms"] = 1000 * statistics.median(times[name])
             row[f"{name}_peak_mb"] = None if peaks[name] is None else peaks[name] / 2**20
         row["speedup"] = row["unchunked_ms"] / row["chunked_ms"]
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _per_row_mm(query, rows_t):
+    """query [G, Lq, d] times rows_t [G, d, R], one 2-D product per batch row."""
+    return torch.stack([torch.mm(q, r) for q, r in zip(query, rows_t, strict=True)])
+
+
+def _chunked(fn, query, rows_t, n: int, step: int) -> None:
+    """``fn``'s product of the queries with n slots' rows, ``step`` slots at a time (as the match
+    takes them, :func:`crtn.model.rowmatch._chunk_slots`); rows_t [G, d, n Ls]."""
+    cols = rows_t.shape[2] // n
+    for i0 in range(0, n, step):
+        fn(query, rows_t[:, :, i0 * cols : min(n, i0 + step) * cols])
+
+
+PRODUCTS = {  # (dtype of queries and rows, the product)
+    "float32 bmm": (torch.float32, torch.bmm),
+    "bfloat16 bmm": (torch.bfloat16, torch.bmm),
+    "bfloat16 mm per batch row": (torch.bfloat16, _per_row_mm),
+}
+
+
+def bench_product(s: BenchSpec, slots: list[int], rounds: int, device: torch.device) -> list[dict]:
+    """The row match's product alone, queries [B, w-1+L, d] against every row of every slot
+    [B, N L, d] in the match's chunks of slots, in float32 and in bfloat16 (the rows already in
+    bfloat16, as a cache of ``cache.dtype=bfloat16`` holds them), alternating; multiply-adds per
+    second of each."""
+    out = []
+    B, L, d = s.batch, s.tgt_len, s.d_model
+    for n in slots:
+        g = torch.Generator(device=device).manual_seed(0)
+        query = torch.randn(B, 3 + L, d, generator=g, device=device)
+        rows = torch.randn(B, n * L, d, generator=g, device=device)
+        inputs = {dt: (query.to(dt), rows.to(dt).transpose(1, 2)) for dt in (torch.float32, torch.bfloat16)}
+        step = _chunk_slots(query, rows.view(B, n, L, d), query.new_empty(B, n, 4, d))
+        times: dict[str, list[float]] = {k: [] for k in PRODUCTS}
+        for r in range(rounds + 1):
+            for name, (dt, fn) in PRODUCTS.items():
+                q, rt = inputs[dt]
+                t, _ = timed(lambda fn=fn, q=q, rt=rt, n=n, k=step: _chunked(fn, q, rt, n, k), device)
+                if r > 0:
+                    times[name].append(t)
+        row: dict = {"n_slot": n}
+        for name in PRODUCTS:
+            sec = statistics.median(times[name])
+            row[f"{name} ms"] = 1000 * sec
+            row[f"{name} GMAC/s"] = B * (3 + L) * n * L * d / sec / 1e9
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -158,6 +211,8 @@ def main() -> None:
     res.update(batch=s.batch, threads=torch.get_num_threads(), torch=torch.__version__)
     if "score" in a.sections:
         res["score"] = bench_score(s, [s.n_slot, large], a.rounds, device)
+    if "product" in a.sections:
+        res["product"] = bench_product(s, [s.n_slot, large], a.rounds, device)
     if "step" in a.sections:
         res["step"] = bench_step(s, large, a.rounds, device)
     if a.out:
