@@ -231,7 +231,12 @@ def run_app(
     register_configs()
     schema = APP_SCHEMAS[config_name]
 
-    def checked(cfg: Any) -> Any:
+    def checked(cfg: Any, flushed: bool) -> Any:
+        # logged here, after the run folder's lock: a run refused there leaves its log untouched
+        if flushed:
+            logging.getLogger(prog).info("CPU arithmetic flushes denormal floats to zero")
+        else:
+            logging.getLogger(prog).warning("denormal floats are not flushed to zero in every CPU thread")
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"{missing[0]} is required: give {missing[0]}=...")
@@ -242,14 +247,11 @@ def run_app(
     def job(cfg: Any) -> Any:
         # in the process that runs the job (a launcher's worker, too), before its first tensor
         tune_allocator()
-        if flush_denormals():
-            logging.getLogger(prog).info("CPU arithmetic flushes denormal floats to zero")
-        else:
-            logging.getLogger(prog).warning("denormal floats are not flushed to zero in every CPU thread")
+        run = functools.partial(checked, flushed=flush_denormals())
         if record_status:
-            return run_with_status(prog, checked, cfg, lock=lock)
+            return run_with_status(prog, run, cfg, lock=lock)
         with report_user_errors(prog):
-            return checked(cfg)
+            return run(cfg)
 
     with _config_errors_as_one_line(prog):
         hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")(job)()
