@@ -1,6 +1,7 @@
 """Plumbing shared by the command-line apps (``crtn-train``, ``crtn-eval``, ``crtn-generate``,
 ``crtn-convert``, ``crtn-bench``): the device, one-line user errors, the run's ``status.json``, the
-check of a composed config against its schema, and the Hydra entry point that ties them together.
+check of a composed config against its schema, and the Hydra entry point that ties them together
+(and sets the job process's allocator and CPU float mode, :mod:`crtn.utils`).
 
     def main() -> None:
         run_app("crtn-eval", "eval", run_eval, record_status=True)
