@@ -38,6 +38,9 @@ from crtn.bench.cases import Stepper, make_case, model_cfg, sync  # noqa: E402
 from crtn.model import summary as summary_module  # noqa: E402
 from crtn.model.rowmatch import _chunk_slots, ngram_row_scores  # noqa: E402
 
+#: the n-gram length and row shift the match is timed with (the defaults of ``summary.ngram`` and ``summary.shift``)
+W, SHIFT = summary_module.DEFAULT_NGRAM, summary_module.DEFAULT_SHIFT
+
 
 def unchunked_row_scores(query, rows, lead, *, ngram: int, shift: int):
     """The row match as one autograd graph over every slot: the products of all slots [G, w-1+L,
@@ -73,7 +76,7 @@ def timed(fn, device: torch.device) -> tuple[float, int | None]:
 def bench_score(s: BenchSpec, slots: list[int], rounds: int, device: torch.device) -> list[dict]:
     """The row match alone, forward and backward, both implementations alternating."""
     out = []
-    B, L, d, w, sh = s.batch, s.tgt_len, s.d_model, 4, 1
+    B, L, d, w, sh = s.batch, s.tgt_len, s.d_model, W, SHIFT
     for n in slots:
         g = torch.Generator(device=device).manual_seed(0)
         rows = torch.randn(B, n, L, d, generator=g, device=device)
@@ -130,10 +133,11 @@ def bench_product(s: BenchSpec, slots: list[int], rounds: int, device: torch.dev
     B, L, d = s.batch, s.tgt_len, s.d_model
     for n in slots:
         g = torch.Generator(device=device).manual_seed(0)
-        query = torch.randn(B, 3 + L, d, generator=g, device=device)
+        query = torch.randn(B, W - 1 + L, d, generator=g, device=device)
         rows = torch.randn(B, n * L, d, generator=g, device=device)
         inputs = {dt: (query.to(dt), rows.to(dt).transpose(1, 2)) for dt in (torch.float32, torch.bfloat16)}
-        step = _chunk_slots(query, rows.view(B, n, L, d), query.new_empty(B, n, 4, d))
+        slots = rows.view(B, n, L, d)
+        step = _chunk_slots(query, slots, slots[:, :, : W - 1 + SHIFT])  # a view of the lead-in's shape
         times: dict[str, list[float]] = {k: [] for k in PRODUCTS}
         for r in range(rounds + 1):
             for name, (dt, fn) in PRODUCTS.items():
@@ -145,7 +149,7 @@ def bench_product(s: BenchSpec, slots: list[int], rounds: int, device: torch.dev
         for name in PRODUCTS:
             sec = statistics.median(times[name])
             row[f"{name} ms"] = 1000 * sec
-            row[f"{name} GMAC/s"] = B * (3 + L) * n * L * d / sec / 1e9
+            row[f"{name} GMAC/s"] = B * (W - 1 + L) * n * L * d / sec / 1e9
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
