@@ -1,9 +1,11 @@
 """Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
 grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
-with that commit's retrieved attention, row match and top-k (:data:`SWAPS`: ``attend_with_cache``
-of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of ``crtn/model/rowmatch.py``,
-``SegmentCache._top`` of ``crtn/model/cache.py``), every case alternating in one process, so the
-ratios are side by side on the same machine state.
+with that commit's retrieved attention, row match, top-k and grouped products (:data:`SWAPS`:
+``attend_with_cache`` of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of
+``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
+``SlotGroups.to_rows`` and ``from_rows`` of ``crtn/model/grouped.py``), every case alternating in
+one process, so the ratios are side by side on the same machine state. The process flushes
+denormal floats to zero and keeps freed memory as the apps do (``crtn.utils``).
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
     OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
@@ -39,7 +41,8 @@ from crtn.app_config import BenchSpec
 from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
-from crtn.utils import flush_denormals
+from crtn.model.grouped import SlotGroups
+from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 #: ``crtn-bench``'s table rows, and four more: ``default_all`` (the default with alpha below 1),
@@ -71,6 +74,8 @@ SWAPS = [
         [(summary, "ngram_row_scores"), (gate, "ngram_row_scores")],
     ),
     ("crtn/model/cache.py", "SegmentCache._top", [(SegmentCache, "_top")]),
+    ("crtn/model/grouped.py", "SlotGroups.to_rows", [(SlotGroups, "to_rows")]),
+    ("crtn/model/grouped.py", "SlotGroups.from_rows", [(SlotGroups, "from_rows")]),
 ]
 
 
@@ -127,7 +132,8 @@ def main() -> None:
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
     a = ap.parse_args()
-    flush_denormals()  # as crtn-bench does
+    flush_denormals()  # as crtn-bench and crtn-train do
+    tune_allocator()
     if a.random_fill:
         cases_module.REAL_FILL_SLOTS = 2
     names = ["txl", *a.rows.split(",")]

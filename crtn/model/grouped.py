@@ -134,21 +134,24 @@ class SlotGroups:
 
     def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
-        sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`)."""
+        sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`). The tiles'
+        results stay in the tiles' pair layout and reach the tokens in one gather (pair i sits at
+        ``place[i]``), then a sum over the k slots: no scatter-add per chunk."""
         T, H, _ = y.shape
         P, (Ls, d) = self.size, values.shape[1:]
-        pairs = y.new_zeros(T * self.k + 1, H, Ls)  # the last row: padding's zeros
+        pairs = y.new_empty(T * self.k + 1, H, Ls)  # the last row: padding's zeros
+        pairs[-1].zero_()
         pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
         c = self._chunk(values, H * (Ls + d))
-        out = y.new_zeros(T, H, d)
-        zbuf, wbuf, res = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls), y.new_empty(c, P * H, d)
+        res = y.new_empty(self.n_tiles, P * H, d)
+        zbuf, wbuf = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
             z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
-            torch.bmm(w.view(e - s, P * H, Ls), z, out=res[: e - s])
-            out.index_add_(0, self.token[s * P : e * P], res[: e - s].view(-1, H, d))
-        return out
+            torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
+        out = res.view(-1, H, d).index_select(0, self.place)  # [T·k, H, d]
+        return out if self.k == 1 else out.view(T, self.k, H, d).sum(1)
 
 
 def choose_tile(count: Tensor) -> int:
