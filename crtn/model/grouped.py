@@ -136,7 +136,7 @@ class SlotGroups:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
         sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`). The tiles'
         results stay in the tiles' pair layout and reach the tokens in one gather (pair i sits at
-        ``place[i]``), then a sum over the k slots: no scatter-add per chunk."""
+        ``place[i]``), then a sum over the k slots."""
         T, H, _ = y.shape
         P, (Ls, d) = self.size, values.shape[1:]
         pairs = y.new_empty(T * self.k + 1, H, Ls)  # the last row: padding's zeros
