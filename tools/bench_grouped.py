@@ -132,7 +132,8 @@ def main() -> None:
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
     a = ap.parse_args()
-    flush_denormals()  # as crtn-bench and crtn-train do
+    # as every app's job does (crtn.app.run_app), before the first tensor
+    flush_denormals()
     tune_allocator()
     if a.random_fill:
         cases_module.REAL_FILL_SLOTS = 2

@@ -129,8 +129,7 @@ class SlotGroups:
             z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
             q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
             torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
-        pairs = tiles.view(-1, H, Ls).index_select(0, self.place).view(T, self.k, H, Ls)
-        return pairs.transpose(1, 2).reshape(T, H, self.k * Ls)
+        return self._by_token(tiles, H).transpose(1, 2).reshape(T, H, self.k * Ls)
 
     def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
@@ -150,8 +149,14 @@ class SlotGroups:
             z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
             torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
-        out = res.view(-1, H, d).index_select(0, self.place)  # [T·k, H, d]
-        return out if self.k == 1 else out.view(T, self.k, H, d).sum(1)
+        out = self._by_token(res, H)  # [T, k, H, d]
+        return out[:, 0] if self.k == 1 else out.sum(1)
+
+    def _by_token(self, tiles: Tensor, n_head: int) -> Tensor:
+        """The tiles' results [n_t, P·H, X] in the tokens' layout [T, k, H, X]: pair i = t·k + p
+        is tiles' pair row ``place[i]``; padding rows are left out."""
+        X = tiles.shape[-1]
+        return tiles.view(-1, n_head, X).index_select(0, self.place).view(self.n_tokens, self.k, n_head, X)
 
 
 def choose_tile(count: Tensor) -> int:
