@@ -15,7 +15,14 @@ from crtn.model import TransformerLM, build_model, resolve_spec
 #: are the command line's since crtn.config became the one source of defaults).
 #: The cache: the CRTN paper's (every layer retrieves, alpha over every slot, k 2 in TINY), the general
 #: path with alpha below 1 and its gradient; crtn's default cache has its own reference tests.
-TEST_DEFAULTS = {"summary.name": "last_state", "cache.layers": None, "cache.alpha_norm": "all"}
+#: The cache holds the states in their own dtype, so that float64 models meet their float64
+#: references; crtn's default bfloat16 storage has its own tests (test_rowmatch.py, test_cache.py).
+TEST_DEFAULTS = {
+    "summary.name": "last_state",
+    "cache.layers": None,
+    "cache.alpha_norm": "all",
+    "cache.dtype": None,
+}
 #: The synthetic corpus the data tests were written against (data.synthetic.* differing from the schema).
 TEST_SYNTHETIC = {"vocab_size": 128, "max_gap": 320, "train_tokens": 1_000_000}
 

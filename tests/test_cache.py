@@ -231,9 +231,13 @@ def test_retrieval_stats_histogram():
     assert s["mean_distance_tokens"] == pytest.approx((6 + 9 + 6 + 12 + 15) / 5)
 
 
-def test_float16_cache_values_stay_within_1e3_of_float32():
-    """Half-precision cached values (cache.dtype=float16) change the per-token NLL of a float32
-    model by less than 1e-3 over many segments with a full cache."""
+@pytest.mark.parametrize(
+    ("dtype", "summary"), [("float16", "last_state"), ("bfloat16", "last_state"), ("bfloat16", "token_max")]
+)
+def test_half_precision_cache_values_stay_within_1e3_of_float32(dtype, summary):
+    """Half-precision cached values (float16; bfloat16, crtn's default, also with token_max's
+    selection in bfloat16: docs/method.md §3, "A selection in bfloat16") change the per-token NLL
+    of a float32 model by less than 1e-3 over many segments with a full cache."""
     from tests.test_transformer import _segments
 
     V, L = 32, 4
@@ -247,19 +251,20 @@ def test_float16_cache_values_stay_within_1e3_of_float32():
         "cache.n_slot": 6,
         "model.init_std": 0.05,
         "model.proj_init_std": 0.05,
+        "summary.name": summary,
     }
     torch.manual_seed(0)
     ref = tiny_model(V, double=False, **overrides)
-    half = tiny_model(V, double=False, **overrides, **{"cache.dtype": "float16"})
+    half = tiny_model(V, double=False, **overrides, **{"cache.dtype": dtype})
     half.load_state_dict(ref.state_dict())
     tokens = torch.randint(0, V, (3, 20 * L + 1))
     with torch.no_grad():
         nll32, st32 = _segments(ref, tokens, L)
         nll16, st16 = _segments(half, tokens, L)
-    assert st16.cache.values.dtype == torch.float16 and st32.cache.values.dtype == torch.float32
+    assert st16.cache.values.dtype == getattr(torch, dtype) and st32.cache.values.dtype == torch.float32
     assert bool(st32.cache.pos.ge(0).all())  # the cache is full: the comparison covers retrieval
     diff = (nll16 - nll32).abs().max().item()
-    print(f"max |NLL(float16 cache) - NLL(float32 cache)| = {diff:.2e}")
+    print(f"max |NLL({dtype} cache) - NLL(float32 cache)| = {diff:.2e}")
     assert 0 < diff < 1e-3, diff
 
 

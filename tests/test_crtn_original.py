@@ -13,7 +13,7 @@ from tests.test_crtn_reference import NEW_OPTIONS, run_both
 #: last_state, alpha as in CRTN/layers/transformer.py with cache_theta 1 (the only temperature here),
 #: values weighted by alpha,
 #: real positions (close to their --farnear distances), FIFO renewal, two segments retrieved in every
-#: layer
+#: layer, the cache holding the states in their own dtype
 AUTHORS = {
     "model.name": "crtn",
     "query.strategy": "token",
@@ -24,6 +24,7 @@ AUTHORS = {
     "cache.pos": "real",
     "cache.top_k": 2,
     "cache.layers": None,
+    "cache.dtype": None,
 }
 RETRIEVAL = [k for k in AUTHORS if k.split(".")[0] in ("query", "summary", "cache")]
 

@@ -85,6 +85,45 @@ def test_a_max_shared_by_rows_splits_its_gradient_as_amax(monkeypatch, w, s):
     _check(w, s, ties=True)
 
 
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s):
+    """A selection from bfloat16 rows (``cache.dtype=bfloat16``, no gradient) multiplies in
+    bfloat16: its scores equal the naive loop's in float64 on the bfloat16-rounded query and rows
+    to within the rounding of each product to bfloat16 (unit roundoff 2^-8 of the largest
+    product, under a tenth of the largest score: a wrong diagonal or scale errs by about a
+    product), with chunks of two slots. The float32 path on the same rows (cast up chunk by chunk)
+    keeps the unrounded query."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    query, rows, lead = (None if t is None else t.detach() for t in _inputs(w, s))
+    query = query.float()
+    rows16 = rows.bfloat16()
+    lead16 = None if lead is None else lead.bfloat16()
+    got = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s)
+    assert got.dtype == torch.float32 and got.shape == (2, 4, 5)
+    exact = [None if t is None else t.double() for t in (query.bfloat16(), rows16, lead16)]
+    want = naive_ngram_row_scores(*exact, w, s)
+    every = [exact[1].flatten(1, 2)] + ([] if lead is None else [exact[2].flatten(1, 2)])
+    largest = max(float(torch.einsum("gqd,grd->gqr", exact[0], t).abs().max()) for t in every)
+    bound = 2.0**-8 * largest
+    error = float((got.double() - want).abs().max())
+    assert error <= bound < 0.1 * float(want.abs().max()), (error, bound)
+    unrounded = naive_ngram_row_scores(query.double(), rows16.double(), exact[2], w, s)
+    with torch.no_grad():  # the float32 path on the same rows is exact to float32's rounding
+        full = ngram_row_scores(
+            query, rows16.float(), None if lead is None else lead16.float(), ngram=w, shift=s
+        )
+    torch.testing.assert_close(full.double(), unrounded, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 5, 6, 7, 8])
+def test_diagonal_window_sums_equal_the_loop(w):
+    """The doubling window sums of the bfloat16 path, out[i, j] = sum_{b<w} x[i + b, j + b],
+    against a plain loop over b (float64), for window lengths of one to three binary digits."""
+    x = torch.randn(3, 11, 9, generator=torch.Generator().manual_seed(w), dtype=torch.float64)
+    want = sum(x[:, b : b + 12 - w, b : b + 10 - w] for b in range(w))
+    torch.testing.assert_close(rowmatch._diagonal_sums(x, w), want, rtol=0, atol=1e-12)
+
+
 def test_a_max_shared_by_two_rows_by_hand():
     """q = e0 against a slot of rows e0, e0, e1 (w = 1, s = 0): score 1, attained by rows 0 and 1,
     so each gets half the gradient, d score / d row = q / 2 for rows 0 and 1, 0 for row 2; and

@@ -45,13 +45,20 @@ from crtn.model.grouped import SlotGroups
 from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
-#: ``crtn-bench``'s table rows, and four more: ``default_all`` (the default with alpha below 1),
-#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval) and
-#: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``)
+#: ``crtn-bench``'s table rows, and more: ``default_all`` (the default with alpha below 1),
+#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval),
+#: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
+#: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
     "default_n1024": ["model=crtn", f"cache.n_slot={BenchSpec().n_slot_large}"],
+    "default_float32": ["model=crtn", "cache.dtype=float32"],
+    "default_float32_n1024": [
+        "model=crtn",
+        "cache.dtype=float32",
+        f"cache.n_slot={BenchSpec().n_slot_large}",
+    ],
     "k1_all": ["model=crtn", "cache.layers=null", "cache.alpha_norm=all"],
     "ngram8": [
         "model=crtn",

@@ -209,7 +209,7 @@ class SegmentCache:
         found = sorted_pos.gather(1, i) == want  # [B, nv]
         pred = order.gather(1, i)
         lead = top[torch.arange(B, device=top.device)[:, None], pred, Ls - n :]  # [B, nv, n, d]
-        return lead * found[:, :, None, None].to(lead.dtype)
+        return lead.mul_(found[:, :, None, None].to(lead.dtype))  # the gather made lead: no copy
 
     def newest_states(self) -> Tensor:
         """States of the slot written last in each row (segment X_{t-1} when mem_len=0): [n+1, B, Ls, d]."""

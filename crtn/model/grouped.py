@@ -106,13 +106,24 @@ class SlotGroups:
         per_tile = values.shape[1] * values.shape[2] + self.size * width
         return self.n_tiles if values.is_cuda else max(1, min(self.n_tiles, CHUNK_VALUES // per_tile))
 
+    @staticmethod
+    def _buffers(values: Tensor, c: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """Reused buffers for the rows of ``c`` tiles: as stored, and cast to ``dtype`` (None
+        where the cache stores ``dtype``)."""
+        rows = values.new_empty(c, *values.shape[1:])
+        return rows, None if values.dtype == dtype else torch.empty_like(rows, dtype=dtype)
+
     def _rows(
-        self, values: Tensor, buf: Tensor, tiles: slice, *, dtype: torch.dtype, normalize: bool, eps: float
+        self, values: Tensor, bufs: tuple[Tensor, Tensor | None], tiles: slice, *, normalize: bool, eps: float
     ) -> Tensor:
-        """The rows of the slots of ``tiles`` [n, Ls, d], read into ``buf``, cast to ``dtype`` and
-        with ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
+        """The rows of the slots of ``tiles`` [n, Ls, d], read into the buffers ``bufs``
+        (:meth:`_buffers`: cast to the compute dtype where the cache stores another) and with
+        ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
         slots = self.slots[tiles]
-        z = torch.index_select(values, 0, slots, out=buf[: len(slots)]).to(dtype)
+        buf, cast = bufs
+        z = torch.index_select(values, 0, slots, out=buf[: len(slots)])
+        if cast is not None:
+            z = cast[: len(slots)].copy_(z)
         return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
 
     def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
@@ -123,10 +134,10 @@ class SlotGroups:
         P, Ls = self.size, values.shape[1]
         c = self._chunk(values, H * d)
         tiles = x.new_empty(self.n_tiles, P * H, Ls)
-        zbuf, qbuf = values.new_empty(c, Ls, d), x.new_empty(c * P, H, d)
+        zbufs, qbuf = self._buffers(values, c, x.dtype), x.new_empty(c * P, H, d)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
-            z = self._rows(values, zbuf, slice(s, e), dtype=x.dtype, normalize=normalize, eps=eps)
+            z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
             q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
             torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
         return self._by_token(tiles, H).transpose(1, 2).reshape(T, H, self.k * Ls)
@@ -143,10 +154,10 @@ class SlotGroups:
         pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
         c = self._chunk(values, H * (Ls + d))
         res = y.new_empty(self.n_tiles, P * H, d)
-        zbuf, wbuf = values.new_empty(c, Ls, d), y.new_empty(c * P, H, Ls)
+        zbufs, wbuf = self._buffers(values, c, y.dtype), y.new_empty(c * P, H, Ls)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
-            z = self._rows(values, zbuf, slice(s, e), dtype=y.dtype, normalize=normalize, eps=eps)
+            z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
             torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
         out = self._by_token(res, H)  # [T, k, H, d]

@@ -6,7 +6,8 @@ query j and slot i, max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>. It reads every
 slot, B L N L d multiply-adds per step; what this module removes is everything else that grew with
 N L L: the score block of all slots, its w shifted copies and their gradients. Where no gradient
 is needed (a selection at alpha 1, :func:`crtn.model.cache.alpha_is_one`) only the maxima are
-kept, not the rows that attain them.
+kept, not the rows that attain them; with rows stored in bfloat16 (``cache.dtype=bfloat16``) that
+selection multiplies in bfloat16 (:func:`_row_max_bf16`), as low-precision indexers do.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
     Args:
         query: [G, w-1+L, d] the L queries with the w-1 before them in front.
         rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups);
-            any floating dtype (cast to the query's chunk by chunk).
+            any floating dtype (cast to the query's chunk by chunk; bfloat16 rows without gradient:
+            the products in bfloat16, :func:`_row_max_bf16`).
         lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or None when w-1+s = 0.
 
     Returns:
@@ -55,8 +57,10 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
     if n_lead == 0:
         lead = None
     inputs = (query, rows) if lead is None else (query, rows, lead)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-        return _row_max(query, rows, lead, w=ngram)  # a selection without gradient (alpha of 1)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):  # a selection at alpha 1
+        if rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
+            return _row_max_bf16(query, rows, lead, w=ngram)
+        return _row_max(query, rows, lead, w=ngram)
     return _NgramRowMax.apply(query, rows, ngram, shift, *inputs[2:])
 
 
@@ -106,6 +110,60 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
         i1 = min(N, i0 + step)
         best[:, :, i0:i1] = _chunk_sums(query, rows, lead, span=(i0, i1), w=w).amax(-1)
     return best * (1.0 / w) if w > 1 else best
+
+
+def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Tensor:
+    """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
+    bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
+    result rounded to bfloat16), the w products of an n-gram summed and the max taken in the
+    query's dtype. A low-precision first stage, as DeepSeek-V3.2's lightning indexer scores in FP8:
+    its scores differ from :func:`_row_max`'s on the same rows by the rounding of the query and of
+    each product (about 2^-8 of their size), so slots that score within that of each other may
+    swap places.
+
+    Per batch row and chunk of slots: two products with the queries, of the slots' rows and of
+    their lead-in rows, into ``ext`` [n, w-1+s+Ls, Lq] (rows by queries: torch's bfloat16
+    product is fast on a CPU with bfloat16 matrix units for one matrix at a time, not batched at
+    these shapes), whose n-gram sums are the diagonal window sums of :func:`_diagonal_sums`.
+    Returns [G, L, n]."""
+    G, Lq, d = query.shape
+    N, Ls = rows.shape[1], rows.shape[2]
+    L, n_lead = Lq - w + 1, 0 if lead is None else lead.shape[2]
+    q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
+    budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
+    step = max(1, budget // (Lq * (Ls + n_lead)))
+    best = query.new_empty(G, N, L)
+    for g in range(G):
+        for i0 in range(0, N, step):
+            i1 = min(N, i0 + step)
+            n = i1 - i0
+            ext = query.new_empty(n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
+            ext[:, n_lead:] = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
+            if lead is not None:
+                ext[:, :n_lead] = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(n, n_lead, Lq)
+            # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
+            # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
+            torch.amax(_diagonal_sums(ext, w)[:, :Ls], 1, out=best[g, i0:i1])
+    best = best.transpose(1, 2).contiguous()
+    return best.mul_(1.0 / w) if w > 1 else best
+
+
+def _diagonal_sums(x: Tensor, w: int) -> Tensor:
+    """Window sums along the diagonals of the last two dims: out[..., i, j] = sum_{b<w}
+    x[..., i + b, j + b], for x [..., R, C] -> [..., R - w + 1, C - w + 1]. By doubling: the windows
+    of 1, 2, 4, ... terms, each the sum of two of the one before, and w the sum of those of its
+    binary digits: about log2(w) passes over x instead of w."""
+    R, C = x.shape[-2:]
+    out, done, window, span = None, 0, x, 1
+    while True:
+        if w & span:
+            part = window[..., done : done + R - w + 1, done : done + C - w + 1]
+            out = part if out is None else out + part
+            done += span
+        if 2 * span > w:
+            return out
+        window = window[..., :-span, :-span] + window[..., span:, span:]  # windows of 2 * span terms
+        span *= 2
 
 
 class _NgramRowMax(torch.autograd.Function):

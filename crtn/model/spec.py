@@ -93,9 +93,10 @@ class CacheSpec:
     # hidden layer of keys and queries (0 embeddings .. n top); None: the top, or the input of the
     # first retrieving layer with `layers`
     key_layer: int | None = None
-    dtype: str | None = (
-        None  # storage of cached values: None (the states' own) | float32 | float16 | bfloat16
-    )
+    # storage of the cached values: bfloat16 (half float32's memory, and a selection at alpha 1
+    # that multiplies in bfloat16: docs/method.md §3, "A selection in bfloat16") | float32 |
+    # float16 | float64 | None (the states' own dtype)
+    dtype: str | None = "bfloat16"
 
     @property
     def enabled(self) -> bool:
