@@ -130,8 +130,7 @@ def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -
     N, Ls = rows.shape[1], rows.shape[2]
     L, n_lead = Lq - w + 1, 0 if lead is None else lead.shape[2]
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
-    budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
-    step = max(1, budget // (Lq * (Ls + n_lead)))
+    step = _chunk_slots(query[:1], rows, lead)  # one batch row at a time
     best = query.new_empty(G, N, L)
     for g in range(G):
         for i0 in range(0, N, step):

@@ -492,35 +492,35 @@ class TokenMax(Summary):
         """The factor of every score: 1/sqrt(d_key), or 1 for cosine scores."""
         return 1.0 if self.cosine else 1.0 / math.sqrt(self.d_key)
 
-    def _map_rows(self, rows: Tensor, dtype: torch.dtype, *, cast: bool = True) -> Tensor:
+    def _map_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows (or pooled rows, or the lead-in) as scored: P_k rows; unit length with ``cosine``.
-        Plain rows (no P_k, no ``cosine``) stay in their storage dtype when ``cast`` is False:
-        :func:`ngram_row_scores` casts them chunk by chunk, or multiplies bfloat16 rows in
-        bfloat16, instead of copying the whole cache layer to ``dtype``."""
-        if self.proj_k is None and not self.cosine and not cast:
+        Plain rows (no P_k, no ``cosine``) stay in their storage dtype: :func:`ngram_row_scores`
+        casts them chunk by chunk, or multiplies bfloat16 rows in bfloat16, instead of a copy of
+        the whole cache layer in ``dtype``."""
+        if self.proj_k is None and not self.cosine:
             return rows
         rows = rows.to(dtype) if self.proj_k is None else self.proj_k(rows.to(dtype))
         return F.normalize(rows, dim=-1) if self.cosine else rows
 
-    def _map(self, query: Tensor, keys: Tensor, *, cast: bool = True) -> tuple[Tensor, Tensor]:
+    def _map(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         if self.proj_q is not None:
             query = self.proj_q(query)
         if self.cosine:
             query = F.normalize(query, dim=-1)
-        return query, self._map_rows(keys, query.dtype, cast=cast)
+        return query, self._map_rows(keys, query.dtype)
 
     def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
         ``lead`` [B, n, w-1+s, d] the rows before each slot (s = shift; needed when w-1+s > 0;
         SegmentCache._lead_in): :func:`ngram_row_scores` times :attr:`scale`."""
-        lead = None if lead is None else self._map_rows(lead, query.dtype, cast=False)
-        query, keys = self._map(query, keys, cast=False)
+        lead = None if lead is None else self._map_rows(lead, query.dtype)
+        query, keys = self._map(query, keys)
         scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift)
         return scores * self.scale
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
         query, keys = self._map(query, keys)
-        return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * self.scale
+        return torch.einsum("bld,blkrd->blkr", query, keys.to(query.dtype)).amax(-1) * self.scale
 
 
 #: every summary by its config name, in the order of docs/method.md §3
