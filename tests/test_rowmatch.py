@@ -115,6 +115,39 @@ def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s):
     torch.testing.assert_close(full.double(), unrounded, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5], ids=["one_slot", "two_slots", "one_chunk"])
+@pytest.mark.parametrize(("w", "s"), [(2, 0), (2, 1), (3, 1)])  # w-1+s <= Ls = 3
+def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk):
+    """A lead-in named by the slot it comes from (:class:`rowmatch.LeadIn`, the cache's) is read
+    from the products of the slot stored before where that is its predecessor: scores within the
+    bfloat16 rounding of the naive loop on the lead-in gathered by hand, and of the bfloat16 path
+    given those gathered rows. Batch row 0 is a full ring (segments 5, 6, 2, 3, 4: slot 0 follows
+    slot 4, slot 2 holds the oldest, with no predecessor); batch row 1 has segments 0, 1, 2, 4, 3
+    (slots 3 and 4 follow slots other than the one before them); chunks of one, two and five
+    slots, so a predecessor lies in the chunk before."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", chunk * (w - 1 + 4) * (3 + w - 1 + s))
+    query, rows, _ = (None if t is None else t.detach() for t in _inputs(w, s))
+    query, rows16 = query.float(), rows.bfloat16()
+    pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
+    found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
+    n = w - 1 + s
+    lead16 = torch.zeros(2, 5, n, 6, dtype=torch.bfloat16)
+    for g in range(2):
+        for i in range(5):
+            if found[g, i]:
+                lead16[g, i] = rows16[g, pred[g, i], 3 - n :]
+    got = ngram_row_scores(query, rows16, rowmatch.LeadIn(pred, found, n), ngram=w, shift=s)
+    exact = [t.double() for t in (query.bfloat16(), rows16, lead16)]
+    want = naive_ngram_row_scores(*exact, w, s)
+    largest = max(
+        float(torch.einsum("gqd,grd->gqr", exact[0], t.flatten(1, 2)).abs().max()) for t in exact[1:]
+    )
+    bound = 2.0**-8 * largest
+    assert float((got.double() - want).abs().max()) <= bound < 0.1 * float(want.abs().max())
+    gathered = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s)
+    assert float((got - gathered).abs().max()) <= bound
+
+
 @pytest.mark.parametrize("w", [1, 2, 3, 5, 6, 7, 8])
 def test_diagonal_window_sums_equal_the_loop(w):
     """The doubling window sums of the bfloat16 path, out[i, j] = sum_{b<w} x[i + b, j + b],
@@ -142,6 +175,11 @@ def test_missing_lead_in_is_refused():
     query, rows, _ = _inputs(2, 1)
     with pytest.raises(ValueError, match="2 lead-in rows"):
         ngram_row_scores(query, rows, None, ngram=2, shift=1)
+    # a lead-in named by slot longer than a slot (Ls = 3): refused, not read from before the slot
+    pred, found = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
+    query, rows, _ = _inputs(4, 1)
+    with pytest.raises(ValueError, match="a lead-in of 4 rows from slots of 3"):
+        ngram_row_scores(query, rows, rowmatch.LeadIn(pred, found, 4), ngram=4, shift=1)
 
 
 def test_the_bench_tool_s_unchunked_reference_agrees_and_its_smoke_run_completes():

@@ -3,8 +3,9 @@ grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before
 with that commit's retrieved attention, row match, top-k and grouped products (:data:`SWAPS`:
 ``attend_with_cache`` of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
-``SlotGroups.to_rows`` and ``from_rows`` of ``crtn/model/grouped.py``), every case alternating in
-one process, so the ratios are side by side on the same machine state. The process flushes
+``SlotGroups.to_rows`` and ``from_rows`` of ``crtn/model/grouped.py``; a row match from before
+the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered them then),
+every case alternating in one process, so the ratios are side by side on the same machine state. The process flushes
 denormal floats to zero and keeps freed memory as the apps do (``crtn.utils``).
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
@@ -42,6 +43,7 @@ from crtn.bench.cases import Stepper, make_case, step_peak
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
 from crtn.model.grouped import SlotGroups
+from crtn.model.rowmatch import LeadIn
 from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,16 @@ def old_module(commit: str, path: str):
     return module
 
 
+def _gathering_lead_in(before):
+    """A row match from before the lead-in was named by slot (:class:`LeadIn`): given the rows
+    gathered as the cache gathered them then (``LeadIn.rows``)."""
+
+    def row_scores(query, rows, lead, **kw):
+        return before(query, rows, lead.rows(rows) if isinstance(lead, LeadIn) else lead, **kw)
+
+    return row_scores
+
+
 def implementations(commit: str | None) -> dict[str, list[tuple[object, str, object]]]:
     """Per version ("" now, "_before" at ``commit``), the (holder, name, value) settings of :data:`SWAPS`."""
     out: dict[str, list[tuple[object, str, object]]] = {"": []}
@@ -119,6 +131,8 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
         except (subprocess.CalledProcessError, AttributeError):  # not there yet: keep today's
             print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
             value = None
+        if attr == "ngram_row_scores" and value is not None:
+            value = _gathering_lead_in(value)
         before = out.setdefault("_before", [])
         before += [(h, n, getattr(h, n) if value is None else value) for h, n in holders]
     return out

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.faiss_index import FaissRows
+from crtn.model.rowmatch import LeadIn
 from crtn.model.spec import CacheSpec
 from crtn.model.summary import Summary
 
@@ -189,27 +190,22 @@ class SegmentCache:
         assert self.keys is not None
         return self.keys[:, :nv]
 
-    def _lead_in(self, top: Tensor, n: int) -> Tensor:
+    def _lead_in(self, n: int) -> LeadIn:
         """The n rows before each filled slot: the last n rows of the slot whose segment
-        ends where this one starts (stream position pos - Ls), zeros where no slot does.
+        ends where this one starts (stream position pos - Ls), zeros where no slot does; named
+        by that slot (:class:`crtn.model.rowmatch.LeadIn`, whose ``rows`` gathers them from
+        the filled slots' rows [B, n_valid, Ls, d]).
 
         Args:
-            top: [B, n_valid, Ls, d] key-layer states of the filled slots.
             n: rows wanted (<= Ls).
-
-        Returns:
-            [B, n_valid, n, d].
         """
         assert self.pos is not None
-        B, nv, Ls, _ = top.shape
-        pos = self.pos[:, :nv]
+        pos = self.pos[:, : self.n_valid]
         sorted_pos, order = pos.sort(1)
-        want = pos - Ls
-        i = torch.searchsorted(sorted_pos, want).clamp(max=nv - 1)
+        want = pos - self.seg_len
+        i = torch.searchsorted(sorted_pos, want).clamp(max=pos.shape[1] - 1)
         found = sorted_pos.gather(1, i) == want  # [B, nv]
-        pred = order.gather(1, i)
-        lead = top[torch.arange(B, device=top.device)[:, None], pred, Ls - n :]  # [B, nv, n, d]
-        return lead.mul_(found[:, :, None, None].to(lead.dtype))  # the gather made lead: no copy
+        return LeadIn(pred=order.gather(1, i), found=found, n=n)
 
     def newest_states(self) -> Tensor:
         """States of the slot written last in each row (segment X_{t-1} when mem_len=0): [n+1, B, Ls, d]."""
@@ -323,7 +319,7 @@ class SegmentCache:
             if score_fn is not None:
                 scores = score_fn(keys)  # [B, L, nv]
             elif self.summary.lead_rows > 0:  # token_max's n-gram match: the rows before each slot too
-                scores = self.summary.score(query, keys, lead=self._lead_in(keys, self.summary.lead_rows))
+                scores = self.summary.score(query, keys, lead=self._lead_in(self.summary.lead_rows))
             else:
                 scores = self.summary.score(query, keys)
             self.select_seconds += time.perf_counter() - t_start

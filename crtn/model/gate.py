@@ -146,7 +146,7 @@ class Gate:
             rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
-            lead = self.cache._lead_in(rows, self.summary.lead_rows)
+            lead = self.cache._lead_in(self.summary.lead_rows).rows(rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
         rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
         w, s = self.summary.ngram, self.summary.shift

@@ -12,6 +12,8 @@ selection multiplies in bfloat16 (:func:`_row_max_bf16`), as low-precision index
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -22,7 +24,39 @@ CHUNK_ELEMENTS = 1 << 21
 CHUNK_ELEMENTS_GPU = 1 << 25
 
 
-def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram: int, shift: int) -> Tensor:
+@dataclass(frozen=True)
+class LeadIn:
+    """The n rows before each slot named by the slot they come from: the last n rows of the slot
+    whose segment ends where this one starts (``SegmentCache._lead_in``), zeros where none does.
+    :func:`ngram_row_scores` reads them from the products of that slot's rows where it can
+    (:func:`_row_max_bf16`) instead of gathering them.
+
+    Attributes:
+        pred: [G, n_slots] long, the slot (index into the rows' slot dim) before each slot.
+        found: [G, n_slots] bool, False where no slot precedes (its lead-in is zeros).
+        n: rows wanted (w-1+s, at most Ls).
+    """
+
+    pred: Tensor
+    found: Tensor
+    n: int
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """The lead-in rows [G, n_slots, n, d] of ``rows`` [G, n_slots, Ls, d]."""
+        G, _, Ls, _ = rows.shape
+        lead = rows[torch.arange(G, device=rows.device)[:, None], self.pred, Ls - self.n :]
+        return lead.mul_(self.found[:, :, None, None].to(lead.dtype))  # the gather made lead: no copy
+
+    def follows(self) -> Tensor:
+        """[G, n_slots] bool: whether a slot's lead-in is the end of the slot stored just before it
+        (slot i - 1), the case :func:`_row_max_bf16` reads from its products."""
+        before = torch.arange(self.pred.shape[1], device=self.pred.device) - 1
+        return self.found & (self.pred == before)
+
+
+def ngram_row_scores(
+    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, ngram: int, shift: int
+) -> Tensor:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
     (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot.
 
@@ -40,35 +74,41 @@ def ngram_row_scores(query: Tensor, rows: Tensor, lead: Tensor | None, *, ngram:
         rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups);
             any floating dtype (cast to the query's chunk by chunk; bfloat16 rows without gradient:
             the products in bfloat16, :func:`_row_max_bf16`).
-        lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or None when w-1+s = 0.
+        lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or the same named by
+            their slots (:class:`LeadIn`), or None when w-1+s = 0.
 
     Returns:
         [G, L, n] in the query's dtype.
 
     Raises:
-        ValueError: ``lead`` is None although w-1+s > 0, or its row count is not w-1+s.
+        ValueError: ``lead`` is None although w-1+s > 0, or its row count is not w-1+s, or a
+            :class:`LeadIn` asks for more rows than a slot has.
     """
     n_lead = ngram - 1 + shift
-    if n_lead > 0 and (lead is None or lead.shape[2] != n_lead):
-        got = None if lead is None else lead.shape[2]
+    got = None if lead is None else lead.n if isinstance(lead, LeadIn) else lead.shape[2]
+    if n_lead > 0 and got != n_lead:
         raise ValueError(
             f"ngram_row_scores: {n_lead} lead-in rows per slot needed (ngram-1+shift), got {got}"
         )
+    if isinstance(lead, LeadIn) and lead.n > rows.shape[2]:
+        raise ValueError(f"ngram_row_scores: a lead-in of {lead.n} rows from slots of {rows.shape[2]}")
     if n_lead == 0:
         lead = None
-    inputs = (query, rows) if lead is None else (query, rows, lead)
+    inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):  # a selection at alpha 1
         if rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
             return _row_max_bf16(query, rows, lead, w=ngram)
-        return _row_max(query, rows, lead, w=ngram)
-    return _NgramRowMax.apply(query, rows, ngram, shift, *inputs[2:])
+        return _row_max(query, rows, lead.rows(rows) if isinstance(lead, LeadIn) else lead, w=ngram)
+    if isinstance(lead, LeadIn):
+        lead = lead.rows(rows)
+    return _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
 
 
-def _chunk_slots(query: Tensor, rows: Tensor, lead: Tensor | None) -> int:
-    """Slots per chunk: a score block [G, Lq, slots, Ls + lead-in rows] of at most
-    :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
+def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int) -> int:
+    """Slots per chunk: a score block [G, Lq, slots, Ls + n_lead] (``n_lead`` lead-in rows per
+    slot) of at most :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
     budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
-    n_cols = rows.shape[2] + (0 if lead is None else lead.shape[2])
+    n_cols = rows.shape[2] + n_lead
     return max(1, budget // max(1, query.shape[0] * query.shape[1] * n_cols))
 
 
@@ -104,7 +144,7 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
     reads. Returns [G, L, n]."""
     G, Lq, _ = query.shape
     N = rows.shape[1]
-    step = _chunk_slots(query, rows, lead)
+    step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
     best = query.new_empty(G, Lq - w + 1, N)
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
@@ -112,7 +152,7 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
     return best * (1.0 / w) if w > 1 else best
 
 
-def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Tensor:
+def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int) -> Tensor:
     """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
     bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
     result rounded to bfloat16), the w products of an n-gram summed and the max taken in the
@@ -121,28 +161,51 @@ def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -
     each product (about 2^-8 of their size), so slots that score within that of each other may
     swap places.
 
-    Per batch row and chunk of slots: two products with the queries, of the slots' rows and of
-    their lead-in rows, into ``ext`` [n, w-1+s+Ls, Lq] (rows by queries: torch's bfloat16
-    product is fast on a CPU with bfloat16 matrix units for one matrix at a time, not batched at
-    these shapes), whose n-gram sums are the diagonal window sums of :func:`_diagonal_sums`.
-    Returns [G, L, n]."""
+    Per batch row and chunk of slots: one product of the slots' rows with the queries (rows by
+    queries: torch's bfloat16 product is fast on a CPU with bfloat16 matrix units for one matrix
+    at a time, not batched at these shapes); a slot's n-gram sums are the diagonal window sums
+    (:func:`_diagonal_sums`) of ``ext`` [w-1+s+Ls, Lq], its lead-in rows' products above its
+    own. With a :class:`LeadIn` the lead-in rows are the last rows of the slot stored before
+    (the ring buffer writes a stream's segments in turn), so the chunk's product starts one slot
+    earlier and ``ext`` is a view of it, overlapping the previous slot's rows; the few slots
+    whose lead-in comes from elsewhere (the first slot, the oldest segment's: zeros) are scored
+    again from their gathered lead-in. Returns [G, L, n]."""
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
-    L, n_lead = Lq - w + 1, 0 if lead is None else lead.shape[2]
+    n_lead = 0 if lead is None else lead.n if isinstance(lead, LeadIn) else lead.shape[2]
+    L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
-    step = _chunk_slots(query[:1], rows, lead)  # one batch row at a time
+    step = _chunk_slots(query[:1], rows, n_lead)  # one batch row at a time
     best = query.new_empty(G, N, L)
     for g in range(G):
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
             n = i1 - i0
-            ext = query.new_empty(n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
-            ext[:, n_lead:] = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
-            if lead is not None:
-                ext[:, :n_lead] = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(n, n_lead, Lq)
+            if by_pred:  # products of slots i0-1 .. i1-1; slot i's ext starts n_lead rows before its own
+                prod = query.new_empty(n + 1, Ls, Lq)
+                j0 = max(i0 - 1, 0)
+                if i0 == 0:  # no slot before: slot 0 is scored again below
+                    prod[0].zero_()
+                prod[1 - (i0 - j0) :] = torch.mm(rows[g, j0:i1].reshape(-1, d), q_t[g]).view(-1, Ls, Lq)
+                ext = prod.as_strided((n, n_lead + Ls, Lq), (Ls * Lq, Lq, 1), (Ls - n_lead) * Lq)
+            else:
+                ext = query.new_empty(n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
+                ext[:, n_lead:] = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
+                if lead is not None:
+                    ext[:, :n_lead] = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(
+                        n, n_lead, Lq
+                    )
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
             torch.amax(_diagonal_sums(ext, w)[:, :Ls], 1, out=best[g, i0:i1])
+    if by_pred:
+        g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
+        if len(g_e):
+            found = lead.found[g_e, i_e, None, None].to(rows.dtype)
+            before = rows[g_e, lead.pred[g_e, i_e], Ls - n_lead :] * found  # [E, n_lead, d]
+            block = torch.cat([before, rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
+            ext = torch.bmm(block, q_t[g_e]).to(query.dtype)
+            best[g_e, i_e] = _diagonal_sums(ext, w)[:, :Ls].amax(1)
     best = best.transpose(1, 2).contiguous()
     return best.mul_(1.0 / w) if w > 1 else best
 
@@ -174,7 +237,7 @@ class _NgramRowMax(torch.autograd.Function):
         G, Lq, _ = query.shape
         N = rows.shape[1]
         L = Lq - w + 1
-        step = _chunk_slots(query, rows, lead)
+        step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
         best = query.new_empty(G, L, N)
         where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
         tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.rowmatch import ngram_row_scores
+from crtn.model.rowmatch import LeadIn, ngram_row_scores
 from crtn.model.spec import ModelSpec, SummarySpec, first_unread, only_readers
 
 WINDOW, TOKEN, GATE = "window", "token", "gate"
@@ -509,11 +509,13 @@ class TokenMax(Summary):
             query = F.normalize(query, dim=-1)
         return query, self._map_rows(keys, query.dtype)
 
-    def score(self, query: Tensor, keys: Tensor, lead: Tensor | None = None) -> Tensor:
+    def score(self, query: Tensor, keys: Tensor, lead: Tensor | LeadIn | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
-        ``lead`` [B, n, w-1+s, d] the rows before each slot (s = shift; needed when w-1+s > 0;
+        ``lead`` the rows before each slot (s = shift; needed when w-1+s > 0): [B, n, w-1+s, d],
+        or named by the slots they come from (:class:`crtn.model.rowmatch.LeadIn`,
         SegmentCache._lead_in): :func:`ngram_row_scores` times :attr:`scale`."""
-        lead = None if lead is None else self._map_rows(lead, query.dtype)
+        if isinstance(lead, Tensor):
+            lead = self._map_rows(lead, query.dtype)
         query, keys = self._map(query, keys)
         scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift)
         return scores * self.scale
