@@ -107,12 +107,15 @@ def old_module(commit: str, path: str):
     return module
 
 
-def _gathering_lead_in(before):
-    """A row match from before the lead-in was named by slot (:class:`LeadIn`): given the rows
-    gathered as the cache gathered them then (``LeadIn.rows``)."""
+def _lead_in_as_then(before, then: type | None):
+    """A row match of another commit, given the lead-in as that commit takes it: its own
+    :class:`LeadIn` class (``then``), or, from before the lead-in was named by slot (``then``
+    None), the rows gathered as the cache gathered them then (``LeadIn.rows``)."""
 
     def row_scores(query, rows, lead, **kw):
-        return before(query, rows, lead.rows(rows) if isinstance(lead, LeadIn) else lead, **kw)
+        if isinstance(lead, LeadIn):
+            lead = lead.rows(rows) if then is None else then(lead.pred, lead.found, lead.n)
+        return before(query, rows, lead, **kw)
 
     return row_scores
 
@@ -125,14 +128,14 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
         if not commit:
             continue
         try:
-            value = old_module(commit, path)
+            value = module = old_module(commit, path)
             for part in attr.split("."):
                 value = getattr(value, part)
         except (subprocess.CalledProcessError, AttributeError):  # not there yet: keep today's
             print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
             value = None
         if attr == "ngram_row_scores" and value is not None:
-            value = _gathering_lead_in(value)
+            value = _lead_in_as_then(value, getattr(module, "LeadIn", None))
         before = out.setdefault("_before", [])
         before += [(h, n, getattr(h, n) if value is None else value) for h, n in holders]
     return out
