@@ -15,9 +15,10 @@ denormal floats to zero and keeps freed memory as the apps do (``crtn.utils``).
 Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
-``torch.profiler`` top operators (self CPU time) of 3 steps per case, ``--peak`` each case's peak
-step memory as ``crtn-bench`` measures it. Run it from a git
-checkout (``--before`` reads the old module with ``git show``).
+``torch.profiler`` top operators (self CPU time) of 3 steps per case and, per step, the
+operators where each case spends more than Transformer-XL (:func:`difference`); ``--peak``
+each case's peak step memory as ``crtn-bench`` measures it. Run it from a git checkout
+(``--before`` reads the old module with ``git show``).
 """
 
 from __future__ import annotations
@@ -197,14 +198,35 @@ def main() -> None:
             peak = step_peak(lambda c=c: step(c), dev)
             print(f"peak {c.name:19s} {peak / 2**20:9.1f} MB", flush=True)
     if a.profile:
+        per_step = {}
         for c in cases:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
+                for _ in range(PROFILE_STEPS):
                     step(c)
-            print(
-                f"===== {c.name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-            )
+            events = prof.key_averages()
+            print(f"===== {c.name}\n" + events.table(sort_by="self_cpu_time_total", row_limit=15))
+            per_step[c.name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in events}
+        for c in cases[1:]:
+            print(difference(per_step[c.name], per_step[cases[0].name], c.name))
     sys.stdout.flush()
+
+
+#: steps per case under the profiler (``--profile``)
+PROFILE_STEPS = 3
+
+
+def difference(case: dict[str, tuple[float, int]], ref: dict[str, tuple[float, int]], name: str) -> str:
+    """Where a case's step spends more than Transformer-XL's: per operator, self CPU ms and calls
+    per step (of :data:`PROFILE_STEPS` profiled), the case's minus the reference's, largest first.
+    ``case`` and ``ref``: operator -> (self CPU ms, calls) over the profiled steps."""
+    n = PROFILE_STEPS
+    ops = sorted(set(case) | set(ref), key=lambda k: ref.get(k, (0, 0))[0] - case.get(k, (0, 0))[0])
+    total = (sum(v[0] for v in case.values()) - sum(v[0] for v in ref.values())) / n
+    lines = [f"===== {name} - txl, per step: self CPU {total:+.1f} ms", "operator | ms | calls"]
+    for k in ops[:12]:
+        (t, calls), (t0, calls0) = case.get(k, (0.0, 0)), ref.get(k, (0.0, 0))
+        lines.append(f"{k} | {(t - t0) / n:+.1f} | {(calls - calls0) / n:+.0f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
