@@ -39,7 +39,8 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     assert p.returncode == 0, p.stderr
     valid = json.loads((run / "results.json").read_text())["valid"]["repeat"]
     t = _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
-    for key in ("copy position", "distance // 32", "j // 8", "source row"):  # each covers every token
+    keys = ("copy position", "distance // 32", "j // 8", "source row", "offset j - source row")
+    for key in keys:  # each covers every token
         hits, correct, n = (sum(r[i] for r in t[key].values()) for i in range(3))
         assert n == valid["tokens"] > 0
         assert correct == round(valid["acc"] * n)
@@ -54,6 +55,8 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     assert sum(c for _, c in t["alpha"].values()) == hits
     assert set(t["copy position"]) <= set(range(2, 5))  # only tokens after repeat_skip=1 (passage_len 4)
     assert set(t["source row"]) <= set(range(8))  # the source's row in its slot: 0..tgt_len-1 (TINY_RUN: 8)
+    # gaps are multiples of passage_len 4, so j - row = j - (j + 1 - gap) mod 8 is 3 or 7 mod 8
+    assert set(t["offset j - source row"]) <= {-5, -1, 3, 7}
 
 
 def test_recall_diagnosis_rejects_txl(tmp_path):

@@ -30,7 +30,8 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     """Hit and accuracy counts over the scored repeat tokens of one split (see the module doc).
 
     Returns:
-        ``{"copy position" | "distance // 32" | "j // 8" | "source row": {bin: [hits, correct, tokens]},
+        ``{"copy position" | "distance // 32" | "j // 8" | "source row" | "offset j - source row":
+        {bin: [hits, correct, tokens]},
         "alpha": {bin 0..4: [correct, tokens]} (hits only, alpha in [bin/5, (bin+1)/5)),
         "misses": {"all": [correct, tokens]}, "copy hits": tokens for which a selected slot
         holds the same text (the source or any other copy of the same original)}``; counts
@@ -112,6 +113,8 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
         "j // 8": table(c["j"] // 8, hit, ok),
         "source row": table((c["j"] + 1 - c["gap"]) % L, hit, ok),
     }
+    offset = c["j"] - (c["j"] + 1 - c["gap"]) % L  # -(L-1)..L-1
+    tables["offset j - source row"] = {b - (L - 1): v for b, v in table(offset + L - 1, hit, ok).items()}
     abin = (c["alpha"][hit] * 5).long().clamp(max=4)
     by_alpha = {b: [int(ok[hit][abin == b].sum()), int((abin == b).sum())] for b in range(5)}
     misses = {"all": [int(ok[~hit].sum()), int((~hit).sum())]}
@@ -131,7 +134,7 @@ def main() -> None:
     print(
         f"the same text (the source or another copy of it) in a selected segment for {t['copy hits'] / total:.3f}"
     )
-    for key in ("copy position", "distance // 32", "j // 8", "source row"):
+    for key in ("copy position", "distance // 32", "j // 8", "source row", "offset j - source row"):
         print(f"by {key}:")
         for b, (h, ok, n) in sorted(t[key].items()):
             print(f"  {b:>4}  hit {h / n:.3f}  acc {ok / n:.3f}  ({n:,} tokens)")
