@@ -5,8 +5,9 @@ with that commit's retrieved attention, row match, top-k and grouped products (:
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
 ``SlotGroups.to_rows`` and ``from_rows`` of ``crtn/model/grouped.py``; a row match from before
 the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered them then),
-every case alternating in one process, so the ratios are side by side on the same machine state. The process flushes
-denormal floats to zero and keeps freed memory as the apps do (``crtn.utils``).
+every case alternating in one process, so the ratios are side by side on the same machine
+state. The process flushes denormal floats to zero and keeps freed memory as the apps do
+(``crtn.utils``).
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
     OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
@@ -106,6 +107,10 @@ def old_module(commit: str, path: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+#: steps per case under the profiler (``--profile``)
+PROFILE_STEPS = 3
 
 
 def _lead_in_as_then(before, then: type | None):
@@ -209,10 +214,6 @@ def main() -> None:
         for c in cases[1:]:
             print(difference(per_step[c.name], per_step[cases[0].name], c.name))
     sys.stdout.flush()
-
-
-#: steps per case under the profiler (``--profile``)
-PROFILE_STEPS = 3
 
 
 def difference(case: dict[str, tuple[float, int]], ref: dict[str, tuple[float, int]], name: str) -> str:

@@ -107,14 +107,15 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
         rows = [torch.bincount(bins, weights=f.double()) for f in flags] + [torch.bincount(bins)]
         return {b: [int(r[b]) for r in rows] for b in bins.unique().tolist()}
 
+    row = (c["j"] + 1 - c["gap"]) % L  # the source's row in its slot
     tables = {
         "copy position": table(c["label"], hit, ok),
         "distance // 32": table(c["gap"] // 32, hit, ok),
         "j // 8": table(c["j"] // 8, hit, ok),
-        "source row": table((c["j"] + 1 - c["gap"]) % L, hit, ok),
+        "source row": table(row, hit, ok),
+        # j - row lies in -(L-1)..L-1: binned shifted by L-1
+        "offset j - source row": {b - (L - 1): v for b, v in table(c["j"] - row + L - 1, hit, ok).items()},
     }
-    offset = c["j"] - (c["j"] + 1 - c["gap"]) % L  # -(L-1)..L-1
-    tables["offset j - source row"] = {b - (L - 1): v for b, v in table(offset + L - 1, hit, ok).items()}
     abin = (c["alpha"][hit] * 5).long().clamp(max=4)
     by_alpha = {b: [int(ok[hit][abin == b].sum()), int((abin == b).sum())] for b in range(5)}
     misses = {"all": [int(ok[~hit].sum()), int((~hit).sum())]}

@@ -95,12 +95,13 @@ def ngram_row_scores(
     if n_lead == 0:
         lead = None
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):  # a selection at alpha 1
-        if rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
-            return _row_max_bf16(query, rows, lead, w=ngram)
-        return _row_max(query, rows, lead.rows(rows) if isinstance(lead, LeadIn) else lead, w=ngram)
-    if isinstance(lead, LeadIn):
+    no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
+    if no_grad and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
+        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead)
+    if isinstance(lead, LeadIn):  # the other paths read the lead-in rows themselves
         lead = lead.rows(rows)
+    if no_grad:
+        return _row_max(query, rows, lead, w=ngram)
     return _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
 
 
@@ -152,7 +153,9 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
     return best * (1.0 / w) if w > 1 else best
 
 
-def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int) -> Tensor:
+def _row_max_bf16(
+    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int, n_lead: int
+) -> Tensor:
     """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
     bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
     result rounded to bfloat16), the w products of an n-gram summed and the max taken in the
@@ -169,10 +172,10 @@ def _row_max_bf16(query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, 
     (the ring buffer writes a stream's segments in turn), so the chunk's product starts one slot
     earlier and ``ext`` is a view of it, overlapping the previous slot's rows; the few slots
     whose lead-in comes from elsewhere (the first slot, the oldest segment's: zeros) are scored
-    again from their gathered lead-in. Returns [G, L, n]."""
+    again from their gathered lead-in. ``n_lead``: w-1+s, the lead-in rows per slot (0 without
+    ``lead``). Returns [G, L, n]."""
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
-    n_lead = 0 if lead is None else lead.n if isinstance(lead, LeadIn) else lead.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
     step = _chunk_slots(query[:1], rows, n_lead)  # one batch row at a time
