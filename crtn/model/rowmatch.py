@@ -29,7 +29,8 @@ class LeadIn:
     """The n rows before each slot named by the slot they come from: the last n rows of the slot
     whose segment ends where this one starts (``SegmentCache._lead_in``), zeros where none does.
     :func:`ngram_row_scores` reads them from the products of that slot's rows where it can
-    (:func:`_row_max_bf16`) instead of gathering them.
+    (:func:`_row_max_bf16`; docs/method.md §3, "A selection in bfloat16") instead of gathering
+    them.
 
     Attributes:
         pred: [G, n_slots] long, the slot (index into the rows' slot dim) before each slot.
