@@ -253,8 +253,10 @@ def test_gpu_attention_check_runs_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "check.md"
     sizes = ["--batch", "2", "--tgt-len", "4", "--n-layer", "2", "--d-model", "16", "--n-head", "2"]
     rounds = ["--vocab", "20", "--n-slot", "2", "--check-steps", "3", "--warmup", "1", "--rounds", "1"]
-    assert tool.main(["--out", str(out), "--device", "cpu", *sizes, *rounds]) == 0
+    compiled = ["--compile-backend", "aot_eager"]  # dynamo's graphs and autograd, no code generation
+    assert tool.main(["--out", str(out), "--device", "cpu", *sizes, *rounds, *compiled]) == 0
     rows = [
         line for line in out.read_text().splitlines() if line.startswith("| txl") or line.startswith("| crtn")
     ]
-    assert len(rows) == 2 * 2 * 2 and all(row.endswith("| yes |") for row in rows)  # model x precision x path
+    assert len(rows) == 2 * 2 * 3 and all(row.endswith("| yes |") for row in rows)  # model x precision x path
+    torch._dynamo.reset()

@@ -12,12 +12,14 @@ state. The process flushes denormal floats to zero and keeps freed memory as the
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
     OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_token_max_layers2 --profile
+    python tools/bench_grouped.py --device cuda --batch 64 --rows default --rounds 9 --profile
 
 Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case and, per step, the
-operators where each case spends more than Transformer-XL (:func:`difference`); ``--peak``
+operators where each case spends more than Transformer-XL (:func:`difference`); with
+``--device cuda`` also by self GPU time, and how much of each step the GPU is busy; ``--peak``
 each case's peak step memory as ``crtn-bench`` measures it. Run it from a git checkout
 (``--before`` reads the old module with ``git show``).
 """
@@ -33,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
@@ -41,7 +42,8 @@ import crtn.model.attention as attention
 import crtn.model.gate as gate
 import crtn.model.summary as summary
 from crtn.app_config import BenchSpec
-from crtn.bench.cases import Stepper, make_case, step_peak
+from crtn.bench import bench_device
+from crtn.bench.cases import Stepper, make_case, step_peak, sync
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
 from crtn.model.grouped import SlotGroups
@@ -161,6 +163,8 @@ def main() -> None:
     ap.add_argument(
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bench.device)")
+    ap.add_argument("--batch", type=int, default=BenchSpec().batch, help="streams a step (bench.batch)")
     a = ap.parse_args()
     # as every app's job does (crtn.app.run_app), before the first tensor
     flush_denormals()
@@ -168,9 +172,9 @@ def main() -> None:
     if a.random_fill:
         cases_module.REAL_FILL_SLOTS = 2
     names = ["txl", *a.rows.split(",")]
-    s = BenchSpec(rows={n: ROWS[n] for n in names})
+    s = BenchSpec(rows={n: ROWS[n] for n in names}, batch=a.batch, device=a.device)
     rows = compose_rows(s)
-    dev = torch.device("cpu")
+    dev = bench_device(a.device)
     cases = [make_case(r.name, r.spec, s, device=dev) for r in rows]
     versions = implementations(a.before)
     if a.before:
@@ -184,6 +188,7 @@ def main() -> None:
     def step(c) -> None:
         use(c)
         stepper(c)
+        sync(dev)
 
     for c in cases:
         use(c)
@@ -203,27 +208,40 @@ def main() -> None:
             peak = step_peak(lambda c=c: step(c), dev)
             print(f"peak {c.name:19s} {peak / 2**20:9.1f} MB", flush=True)
     if a.profile:
-        per_step = {}
+        cuda = dev.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        per_step, device_ms = {}, {}
         for c in cases:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=activities) as prof:
                 for _ in range(PROFILE_STEPS):
                     step(c)
             events = prof.key_averages()
             print(f"===== {c.name}\n" + events.table(sort_by="self_cpu_time_total", row_limit=15))
             per_step[c.name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in events}
+            if cuda:
+                print(events.table(sort_by="self_device_time_total", row_limit=15))
+                busy = sum(e.self_device_time_total for e in events) / 1e3 / PROFILE_STEPS
+                device_ms[c.name] = {e.key: (e.self_device_time_total / 1e3, e.count) for e in events}
+                m = 1000 * statistics.median(c.times)
+                print(f"{c.name}: GPU busy {busy:.1f} ms of a {m:.1f} ms step ({busy / m:.0%})", flush=True)
         for c in cases[1:]:
             print(difference(per_step[c.name], per_step[cases[0].name], c.name))
+            if cuda:
+                print(difference(device_ms[c.name], device_ms[cases[0].name], c.name, "GPU"))
     sys.stdout.flush()
 
 
-def difference(case: dict[str, tuple[float, int]], ref: dict[str, tuple[float, int]], name: str) -> str:
-    """Where a case's step spends more than Transformer-XL's: per operator, self CPU ms and calls
-    per step (of :data:`PROFILE_STEPS` profiled), the case's minus the reference's, largest first.
-    ``case`` and ``ref``: operator -> (self CPU ms, calls) over the profiled steps."""
+def difference(
+    case: dict[str, tuple[float, int]], ref: dict[str, tuple[float, int]], name: str, unit: str = "CPU"
+) -> str:
+    """Where a case's step spends more than Transformer-XL's: per operator, self ``unit`` (CPU or
+    GPU) ms and calls per step (of :data:`PROFILE_STEPS` profiled), the case's minus the
+    reference's, largest first. ``case`` and ``ref``: operator -> (self ms, calls) over the
+    profiled steps."""
     n = PROFILE_STEPS
     ops = sorted(set(case) | set(ref), key=lambda k: ref.get(k, (0, 0))[0] - case.get(k, (0, 0))[0])
     total = (sum(v[0] for v in case.values()) - sum(v[0] for v in ref.values())) / n
-    lines = [f"===== {name} - txl, per step: self CPU {total:+.1f} ms", "operator | ms | calls"]
+    lines = [f"===== {name} - txl, per step: self {unit} {total:+.1f} ms", "operator | ms | calls"]
     for k in ops[:12]:
         (t, calls), (t0, calls0) = case.get(k, (0.0, 0)), ref.get(k, (0.0, 0))
         lines.append(f"{k} | {(t - t0) / n:+.1f} | {(calls - calls0) / n:+.0f}")

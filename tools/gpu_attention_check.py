@@ -1,24 +1,29 @@
-"""FlexAttention (``model.flex``) against the eager attention on a GPU: agreement and speed.
+"""FlexAttention (``model.flex``) and compiled layers (``train.compile``) against the eager model on
+a GPU: agreement and speed.
 
     python tools/gpu_attention_check.py --out flex_check.md [--rounds 20] [--warmup 6]
 
 Needs only torch (and numpy, which ``crtn.model`` imports) and this repository on ``PYTHONPATH``:
 the models are built from :mod:`crtn.model.spec` directly, without Hydra. Builds a ``txl`` and a
 ``crtn`` model at the benchmark's sizes (4 layers, d_model 256, 4 heads of 64, d_inner 1024,
-vocabulary 256; batch 64, tgt_len = mem_len = 64; crtn: 8 slots, top_k 2, query ``token`` with
-``token_max``) and, for each, two copies with the same parameters: eager and
-``model.flex``. Training mode, dropout 0.
+vocabulary 256; batch 64, tgt_len = mem_len = 64; crtn: ``--n-slot`` slots and otherwise
+``model=crtn``'s cache, :class:`crtn.model.spec.CacheSpec`'s defaults) and, for each, copies with
+the same parameters: eager, ``model.flex`` (FlexAttention over memory and segment; retrieved rows
+keep the eager path) and ``compiled`` (every decoder layer through ``torch.compile``, as
+``train.compile`` does; ``--compile-backend``, default inductor). Training mode, dropout 0.
 
-1. Agreement, in float32 and under bf16 autocast: ``--check-steps`` segments (memory and cache
+1. Agreement, in float32 (TF32 products off, so that the check sees the paths' own error and
+   not TF32's rounding) and under bf16 autocast: ``--check-steps`` segments (memory and cache
    filling) forward and backward from a fresh state; the largest |NLL difference| (nats, any
    token, any step) and, for a few parameters, the largest |gradient difference| divided by the
    largest |gradient| (accumulated over the steps), each path against the eager model in the
    same precision, with a tolerance: float32 1e-4 nats and 1e-3; bf16 twice bf16's own error
    (the eager bf16 model against the eager float32 one, printed), at least float32's.
-2. Speed: after ``--warmup`` rounds (compilation, memory and cache full), ``--rounds`` rounds in
-   which each path runs one forward+backward step (mean NLL) in turn, the order rotating every
-   round; per path the median wall time (CUDA synchronised), the speed-up over eager, tokens/s
-   and the peak memory a step allocates beyond what is held before it.
+2. Speed, with TF32 products as a training run has them: after ``--warmup`` rounds (compilation,
+   memory and cache full), ``--rounds`` rounds in which each path runs one forward+backward step
+   (mean NLL) in turn, the order rotating every round; per path the median wall time (CUDA
+   synchronised), the speed-up over eager, tokens/s and the peak memory a step allocates beyond
+   what is held before it.
 
 Prints one Markdown table (one row per model, precision and path) and writes it, with the
 device and settings above it, to ``--out``. Exit status 1 when a check is over its tolerance or
@@ -42,7 +47,7 @@ import torch
 from crtn.model import TransformerLM, build_model, resolve_spec
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 
-PATHS = ("eager", "flex")
+PATHS = ("eager", "flex", "compiled")
 PRECISIONS = ("float32", "bf16")
 #: float32's tolerance (NLL nats, relative gradient); bf16's is twice its own error, at least this
 TOLERANCE = (1e-4, 1e-3)
@@ -92,15 +97,15 @@ def make_models(name: str, args: argparse.Namespace, device: torch.device) -> di
         tgt_len=args.tgt_len,
         mem_len=args.tgt_len,
     )
-    cache = CacheSpec(n_slot=args.n_slot, top_k=2)
+    cache = CacheSpec(n_slot=args.n_slot)
     torch.manual_seed(0)
     eager = build_model(resolve_spec(Spec(model=model, cache=cache)), args.vocab).to(device).train()
     out = {"eager": eager}
     for path in PATHS[1:]:
-        spec = Spec(model=replace(model, **{path: True}), cache=cache)
+        spec = Spec(model=replace(model, flex=path == "flex"), cache=cache)
         twin = build_model(resolve_spec(spec), args.vocab).to(device).train()
         twin.load_state_dict(eager.state_dict())
-        out[path] = twin
+        out[path] = twin.compile_layers(backend=args.compile_backend) if path == "compiled" else twin
     return out
 
 
@@ -140,27 +145,41 @@ def run_steps(model: TransformerLM, tokens: torch.Tensor, steps: int, precision:
 
 
 def check(models: dict, tokens: torch.Tensor, args: argparse.Namespace, rows: dict) -> str:
-    """Fill each row's d_nll and d_grad against the eager model of the same precision; returns the
-    line comparing eager bf16 with eager float32."""
+    """Fill each row's d_nll and d_grad against the eager model of the same precision, TF32
+    products off (:func:`exact_float32`); returns the line comparing eager bf16 with eager float32."""
     ref32, noise = None, ""
-    for precision in PRECISIONS:
-        ref = run_steps(models["eager"], tokens, args.check_steps, precision)
-        if precision == "float32":
-            ref32 = ref
-        else:
-            d_nll, d_grad = differences(ref, ref32)
-            noise = f"eager bf16 against eager float32 (bf16's own error): NLL {d_nll:.2e}, grad {d_grad:.2e}"
-            tol = (max(TOLERANCE[0], 2 * d_nll), max(TOLERANCE[1], 2 * d_grad))
-        for path in PATHS[1:]:
-            row = rows[precision, path]
-            row.tol = TOLERANCE if precision == "float32" else tol
-            try:
-                row.d_nll, row.d_grad = differences(
-                    run_steps(models[path], tokens, args.check_steps, precision), ref
+    with exact_float32():
+        for precision in PRECISIONS:
+            ref = run_steps(models["eager"], tokens, args.check_steps, precision)
+            if precision == "float32":
+                ref32 = ref
+            else:
+                d_nll, d_grad = differences(ref, ref32)
+                noise = (
+                    f"eager bf16 against eager float32 (bf16's own error): NLL {d_nll:.2e}, grad {d_grad:.2e}"
                 )
-            except Exception as e:  # reported in the table; the other paths still run
-                row.error = fail(e)
+                tol = (max(TOLERANCE[0], 2 * d_nll), max(TOLERANCE[1], 2 * d_grad))
+            for path in PATHS[1:]:
+                row = rows[precision, path]
+                row.tol = TOLERANCE if precision == "float32" else tol
+                try:
+                    row.d_nll, row.d_grad = differences(
+                        run_steps(models[path], tokens, args.check_steps, precision), ref
+                    )
+                except Exception as e:  # reported in the table; the other paths still run
+                    row.error = fail(e)
     return noise
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """TF32 products off (matmul and cuDNN) inside, restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def differences(got: tuple[list, dict], ref: tuple[list, dict]) -> tuple[float, float]:
@@ -263,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'compiled'")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(1)
@@ -283,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"FlexAttention check: {gpu}, torch {torch.__version__}; batch {args.batch}, tgt_len = mem_len = "
         f"{args.tgt_len}, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, vocabulary "
-        f"{args.vocab}, crtn {args.n_slot} slots top_k 2; agreement over {args.check_steps} steps; "
+        f"{args.vocab}, crtn {args.n_slot} slots and model=crtn's cache; agreement over {args.check_steps} steps "
+        "with TF32 off; "
         f"median of {args.rounds} rounds after {args.warmup}; TF32 matmul "
         f"{torch.backends.cuda.matmul.allow_tf32}.\n\n"
     )

@@ -1,38 +1,58 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/results.md ("The cost table on a GPU", "Equal time on a GPU"), one
-# script for one lease of a GPU machine:
+# The GPU measurements of docs/results.md ("On an H100: the cost table, FlexAttention and equal
+# time"), one script for one lease of a GPU machine:
 #
 #   CRTN_DATA=/path/to/data OUT=/path/to/out bash tools/gpu_measure.sh [EQUAL_TIME_SECONDS]
 #
 # 1. the cost table at the standard sizes with 64 streams (crtn-bench's table section): the default
 #    model, the CRTN authors' model, selection inside attention with the best-row key (in every layer
-#    and in the top two), exact 8-gram retrieval; float32 (TF32 products) and bf16 autocast;
-# 2. FlexAttention against the eager attention (tools/gpu_attention_check.py);
+#    and in the top two), exact 8-gram retrieval; float32 with TF32 products;
+# 2. where the default's and exact 8-gram retrieval's steps spend their time against
+#    Transformer-XL's (tools/bench_grouped.py --profile: operators by CPU and by GPU time, and how
+#    much of a step the GPU is busy);
 # 3. character-level WikiText-2 at wt2_char_large's size with the same wall-clock budget for
 #    Transformer-XL and CRTN (exact 8-gram retrieval), side by side on the GPU, learning rate
-#    decaying as 1/sqrt(step) so that the schedule does not depend on where the budget stops a run.
-# Each step writes under OUT as it finishes, so a lease that ends early keeps what was done; they
-# run in the order float32 table, equal time, bf16 table, FlexAttention check.
+#    decaying as 1/sqrt(step) so that the schedule does not depend on where the budget stops a run;
+# 4. the cost table's Transformer-XL, default, authors' and exact 8-gram rows under bf16 autocast;
+# 5. FlexAttention and compiled layers against the eager model (tools/gpu_attention_check.py).
+# Each step has a time limit and writes under OUT as it finishes (OUT/timeline.txt: when each
+# started and its exit status), so a lease that ends early keeps what was done.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that receives the results}
 T=${1:-180}
+export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 PYTHONUNBUFFERED=1
 EXACT="cache.layers=null cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
-ROWS=(bench.sections=[table] bench.device=cuda bench.batch=64 bench.rounds=5 bench.memory=true
-    "bench.only=[default,crtn_original,gate_token_max,gate_token_max_layers2,exact8]"
+ROWS=(bench.sections=[table] bench.device=cuda bench.batch=64 bench.rounds=5
     "+bench.rows.exact8=['${EXACT// /\',\'}']")
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-crtn-bench "${ROWS[@]}" bench.out="$OUT/bench_fp32" > "$OUT/bench_fp32.log" 2>&1
+FP32=("bench.only=[default,crtn_original,gate_token_max,gate_token_max_layers2,exact8]")
+BF16=("bench.only=[default,crtn_original,exact8]")
+# step NAME SECONDS COMMAND...: run COMMAND with a time limit, its output in OUT/NAME.log
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "$(date +%T) $name (limit ${limit}s)" >> "$OUT/timeline.txt"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$(date +%T) $name exit $?" >> "$OUT/timeline.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c 'import torch; print("torch", torch.__version__)' >> "$OUT/gpu.txt" 2>&1
+step bench_fp32 100 python3 -m crtn.bench "${ROWS[@]}" "${FP32[@]}" bench.out="$OUT/bench_fp32" \
+    hydra.run.dir=/tmp/bench_fp32
+step profile 50 python3 tools/bench_grouped.py --device cuda --batch 64 --rows default,ngram8 --rounds 5 --profile
 RUNS=${RUNS:-/tmp/equal_time}
 # shellcheck disable=SC2086
 for m in txl crtn; do
-    crtn-train +experiment=wt2_char_large model=$m train.device=cuda optim.scheduler=inv_sqrt data.root="${CRTN_DATA:-data}" \
-        train.max_step=100000 train.max_time="$T" train.eval_interval=500 train.progress=false \
-        hydra.run.dir="$RUNS/$m" > "$OUT/equal_time_$m.log" 2>&1 &
+    echo "$(date +%T) equal_time_$m (budget ${T}s)" >> "$OUT/timeline.txt"
+    timeout $((T + 60)) python3 -m crtn.train +experiment=wt2_char_large model=$m train.device=cuda \
+        optim.scheduler=inv_sqrt data.root="${CRTN_DATA:-data}" train.max_step=100000 train.max_time="$T" \
+        train.eval_interval=500 train.progress=false hydra.run.dir="$RUNS/$m" > "$OUT/equal_time_$m.log" 2>&1 &
 done
 wait
+echo "$(date +%T) equal_time done" >> "$OUT/timeline.txt"
 for m in txl crtn; do
     tail -n 4 "$OUT/equal_time_$m.log" >> "$OUT/summary.txt"
     cp "$RUNS/$m/metrics.jsonl" "$OUT/equal_time_${m}_metrics.jsonl" 2>/dev/null
 done
-crtn-bench "${ROWS[@]}" bench.amp=true bench.out="$OUT/bench_bf16" > "$OUT/bench_bf16.log" 2>&1
-python3 tools/gpu_attention_check.py --out "$OUT/flex_check.md" > "$OUT/flex_check.log" 2>&1
+step bench_bf16 60 python3 -m crtn.bench "${ROWS[@]}" "${BF16[@]}" bench.amp=true bench.out="$OUT/bench_bf16" \
+    hydra.run.dir=/tmp/bench_bf16
+step flex_check 120 python3 tools/gpu_attention_check.py --out "$OUT/flex_check.md" --rounds 10
