@@ -19,7 +19,8 @@ Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard si
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case and, per step, the
 operators where each case spends more than Transformer-XL (:func:`difference`); with
-``--device cuda`` also by self GPU time, and how much of each step the GPU is busy; ``--peak``
+``--device cuda`` also the kernels by GPU time, and how much of each step the GPU is busy (the
+kernels' time over the step's wall time); ``--peak``
 each case's peak step memory as ``crtn-bench`` measures it. Run it from a git checkout
 (``--before`` reads the old module with ``git show``).
 """
@@ -35,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import crtn.bench.cases as cases_module
@@ -220,8 +222,9 @@ def main() -> None:
             per_step[c.name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in events}
             if cuda:
                 print(events.table(sort_by="self_device_time_total", row_limit=15))
-                busy = sum(e.self_device_time_total for e in events) / 1e3 / PROFILE_STEPS
-                device_ms[c.name] = {e.key: (e.self_device_time_total / 1e3, e.count) for e in events}
+                kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+                busy = sum(e.self_device_time_total for e in kernels) / 1e3 / PROFILE_STEPS
+                device_ms[c.name] = {e.key: (e.self_device_time_total / 1e3, e.count) for e in kernels}
                 m = 1000 * statistics.median(c.times)
                 print(f"{c.name}: GPU busy {busy:.1f} ms of a {m:.1f} ms step ({busy / m:.0%})", flush=True)
         for c in cases[1:]:

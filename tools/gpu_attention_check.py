@@ -101,7 +101,7 @@ def make_models(name: str, args: argparse.Namespace, device: torch.device) -> di
     torch.manual_seed(0)
     eager = build_model(resolve_spec(Spec(model=model, cache=cache)), args.vocab).to(device).train()
     out = {"eager": eager}
-    for path in PATHS[1:]:
+    for path in args.paths[1:]:
         spec = Spec(model=replace(model, flex=path == "flex"), cache=cache)
         twin = build_model(resolve_spec(spec), args.vocab).to(device).train()
         twin.load_state_dict(eager.state_dict())
@@ -159,7 +159,7 @@ def check(models: dict, tokens: torch.Tensor, args: argparse.Namespace, rows: di
                     f"eager bf16 against eager float32 (bf16's own error): NLL {d_nll:.2e}, grad {d_grad:.2e}"
                 )
                 tol = (max(TOLERANCE[0], 2 * d_nll), max(TOLERANCE[1], 2 * d_grad))
-            for path in PATHS[1:]:
+            for path in args.paths[1:]:
                 row = rows[precision, path]
                 row.tol = TOLERANCE if precision == "float32" else tol
                 try:
@@ -196,7 +196,7 @@ def time_paths(
 ) -> None:
     """Alternating forward+backward steps of every path: each row's times (s) and peak (bytes)."""
     device = tokens.device
-    live = [p for p in PATHS if rows[precision, p].error is None]
+    live = [p for p in args.paths if rows[precision, p].error is None]
     states = {p: None for p in live}
     its = {p: segments(tokens, models[p].tgt_len) for p in live}
     for r in range(args.warmup + args.rounds):
@@ -282,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--paths", nargs="+", choices=PATHS[1:], default=list(PATHS[1:]), help="besides eager")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'compiled'")
     args = p.parse_args(argv)
+    args.paths = ["eager", *args.paths]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # timing: as training runs
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, 64 * args.tgt_len + 1), generator=g).to(device)
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         print(f"{name}: building and checking", flush=True)
         models = make_models(name, args, device)
-        per = {(pr, pa): Row(name, pr, pa) for pr in PRECISIONS for pa in PATHS}
+        per = {(pr, pa): Row(name, pr, pa) for pr in PRECISIONS for pa in args.paths}
         notes.append(f"- {name}: {check(models, tokens, args, per)}")
         for precision in PRECISIONS:
             print(f"{name} {precision}: timing", flush=True)

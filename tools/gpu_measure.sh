@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/results.md ("On an H100: the cost table, FlexAttention and equal
-# time"), one script for one lease of a GPU machine:
+# The GPU measurements of docs/results.md ("On a GPU: the cost table, compiled layers, FlexAttention
+# and equal time"), one script for one lease of a GPU machine:
 #
 #   CRTN_DATA=/path/to/data OUT=/path/to/out bash tools/gpu_measure.sh [EQUAL_TIME_SECONDS]
 #
@@ -14,13 +14,16 @@
 #    Transformer-XL and CRTN (exact 8-gram retrieval), side by side on the GPU, learning rate
 #    decaying as 1/sqrt(step) so that the schedule does not depend on where the budget stops a run;
 # 4. the cost table's Transformer-XL, default, authors' and exact 8-gram rows under bf16 autocast;
-# 5. FlexAttention and compiled layers against the eager model (tools/gpu_attention_check.py).
+# 5. FlexAttention, then compiled layers, against the eager model (tools/gpu_attention_check.py).
 # Each step has a time limit and writes under OUT as it finishes (OUT/timeline.txt: when each
 # started and its exit status), so a lease that ends early keeps what was done.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that receives the results}
 T=${1:-180}
-export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+# TF32 products in the apps (which leave torch's default, float32); not for the agreement checks of
+# tools/gpu_attention_check.py, which turn TF32 off themselves and would be overridden by this
+TF32=(env TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
 EXACT="cache.layers=null cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
 ROWS=(bench.sections=[table] bench.device=cuda bench.batch=64 bench.rounds=5
     "+bench.rows.exact8=['${EXACT// /\',\'}']")
@@ -32,18 +35,19 @@ step() {
     shift 2
     echo "$(date +%T) $name (limit ${limit}s)" >> "$OUT/timeline.txt"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "$(date +%T) $name exit $?" >> "$OUT/timeline.txt"
+    local rc=$?
+    echo "$(date +%T) $name exit $rc" >> "$OUT/timeline.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c 'import torch; print("torch", torch.__version__)' >> "$OUT/gpu.txt" 2>&1
-step bench_fp32 100 python3 -m crtn.bench "${ROWS[@]}" "${FP32[@]}" bench.out="$OUT/bench_fp32" \
+step bench_fp32 90 "${TF32[@]}" python3 -m crtn.bench "${ROWS[@]}" "${FP32[@]}" bench.out="$OUT/bench_fp32" \
     hydra.run.dir=/tmp/bench_fp32
-step profile 50 python3 tools/bench_grouped.py --device cuda --batch 64 --rows default,ngram8 --rounds 5 --profile
+step profile 50 "${TF32[@]}" python3 tools/bench_grouped.py --device cuda --batch 64 --rows default,ngram8 --rounds 5 --profile
 RUNS=${RUNS:-/tmp/equal_time}
 # shellcheck disable=SC2086
 for m in txl crtn; do
     echo "$(date +%T) equal_time_$m (budget ${T}s)" >> "$OUT/timeline.txt"
-    timeout $((T + 60)) python3 -m crtn.train +experiment=wt2_char_large model=$m train.device=cuda \
+    timeout $((T + 120)) "${TF32[@]}" python3 -m crtn.train +experiment=wt2_char_large model=$m train.device=cuda \
         optim.scheduler=inv_sqrt data.root="${CRTN_DATA:-data}" train.max_step=100000 train.max_time="$T" \
         train.eval_interval=500 train.progress=false hydra.run.dir="$RUNS/$m" > "$OUT/equal_time_$m.log" 2>&1 &
 done
@@ -53,6 +57,9 @@ for m in txl crtn; do
     tail -n 4 "$OUT/equal_time_$m.log" >> "$OUT/summary.txt"
     cp "$RUNS/$m/metrics.jsonl" "$OUT/equal_time_${m}_metrics.jsonl" 2>/dev/null
 done
-step bench_bf16 60 python3 -m crtn.bench "${ROWS[@]}" "${BF16[@]}" bench.amp=true bench.out="$OUT/bench_bf16" \
+step bench_bf16 60 "${TF32[@]}" python3 -m crtn.bench "${ROWS[@]}" "${BF16[@]}" bench.amp=true bench.out="$OUT/bench_bf16" \
     hydra.run.dir=/tmp/bench_bf16
-step flex_check 120 python3 tools/gpu_attention_check.py --out "$OUT/flex_check.md" --rounds 10
+step flex_check 90 python3 tools/gpu_attention_check.py --out "$OUT/flex_check.md" --rounds 10 --paths flex
+# last: inductor compiles every layer for each shape the memory and cache pass through (minutes)
+step compiled_check 200 python3 tools/gpu_attention_check.py --out "$OUT/compiled_check.md" --rounds 10 \
+    --paths compiled
