@@ -14,20 +14,88 @@ where a match on the row before falls in the previous slot, docs/results.md "Ret
 scales"), and the accuracy given a hit by the weight alpha of the segment that holds the
 source (0.2-wide bins), plus the accuracy on misses.
 
+``--shift S`` runs the checkpoint with every retrieved row presented S positions farther from
+the query than ``cache.pos=concat`` places it (S < 0: nearer; at most the memory length), the
+memory and segment unchanged (:func:`shifted_distances`): whether a copy depends on the
+distance at which the source row is seen or only on its content (docs/results.md, "Where the
+accuracy target is missed").
+
 Raises SystemExit with one line when the checkpoint is not a crtn model on synthetic data.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 
-def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
-    """Hit and accuracy counts over the scored repeat tokens of one split (see the module doc).
+def retrieved_columns(y: Tensor, c: int, extra: int, shift: int) -> Tensor:
+    """The position scores of [retrieved rows; memory; segment] with the retrieved rows moved.
+
+    ``y`` [..., L, R]: :func:`crtn.model.attention.rel_shift` of the scores against a distance
+    table extended by ``extra`` >= max(shift, 0) distances, R = extra + c + M + L (c retrieved
+    rows, M memory rows). Column j of ``y`` is at distance R - L + i - j from query i, so
+    retrieved row r (distance c + M + i - r under ``cache.pos=concat``, docs/method.md §3 step 3)
+    moved by ``shift`` is column r + extra - shift, and key p of [memory; segment] column
+    extra + c + p. Returns [..., L, c + M + L].
+    """
+    return torch.cat([y[..., extra - shift : extra - shift + c], y[..., extra + c :]], -1)
+
+
+@contextlib.contextmanager
+def shifted_distances(shift: int) -> Iterator[None]:
+    """Inside, every pass with retrieved rows (``cache.pos=concat``) scores them ``shift``
+    positions farther from the query (:func:`retrieved_columns`); restored on exit.
+
+    Raises:
+        ValueError: (inside, at a pass) ``-shift`` beyond the memory length, where the moved
+            rows would overlap the memory's distances.
+    """
+    if shift == 0:
+        yield
+        return
+    import crtn.model.attention as attention
+    from crtn.model.transformer import TransformerLM
+
+    core, table, rel_shift = TransformerLM.core, TransformerLM._position_embeddings, attention.rel_shift
+    extra, rows = max(shift, 0), {"c": 0}
+
+    def core_(self, *args, **kwargs):
+        bound = inspect.signature(core).bind(self, *args, **kwargs).arguments
+        cache, mem = bound.get("cache"), bound.get("mem")
+        rows["c"] = cache.k * cache.seg_len if cache is not None and bound.get("real_pos") is None else 0
+        m = 0 if mem is None else mem.shape[2]
+        if rows["c"] and -shift > m:
+            raise ValueError(f"shift {shift} moves retrieved rows past the memory's {m} rows")
+        try:
+            return core(self, *args, **kwargs)
+        finally:
+            rows["c"] = 0
+
+    def table_(self, K, real_pos, dtype, device):
+        return table(self, K + extra if rows["c"] else K, real_pos, dtype, device)
+
+    def rel_shift_(x):
+        y = rel_shift(x)
+        return retrieved_columns(y, rows["c"], extra, shift) if rows["c"] else y
+
+    TransformerLM.core, TransformerLM._position_embeddings, attention.rel_shift = core_, table_, rel_shift_
+    try:
+        yield
+    finally:
+        TransformerLM.core, TransformerLM._position_embeddings, attention.rel_shift = core, table, rel_shift
+
+
+def diagnose(checkpoint: str, split: str, batch_size: int, shift: int = 0) -> dict[str, dict]:
+    """Hit and accuracy counts over the scored repeat tokens of one split (see the module doc),
+    the retrieved rows moved ``shift`` positions farther (:func:`shifted_distances`; 0: as the
+    model places them).
 
     Returns:
         ``{"copy position" | "distance // 32" | "j // 8" | "source row" | "offset j - source row":
@@ -40,6 +108,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
     Raises:
         SystemExit: the checkpoint is not a crtn model trained on ``data=synthetic``.
         CheckpointError: unreadable checkpoint.
+        ValueError: ``-shift`` beyond the memory length.
     """
     from crtn.checkpoint import checkpoint_spec, load_checkpoint
     from crtn.data import load_corpus
@@ -71,7 +140,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int) -> dict[str, dict]:
 
     cols: dict[str, list[Tensor]] = {k: [] for k in ("label", "gap", "j", "hit", "ok", "alpha", "chain")}
     state = None
-    with torch.no_grad():
+    with torch.no_grad(), shifted_distances(shift):
         for batch in it:
             out = model(batch.input, batch.target, state)
             state = out.state
@@ -127,8 +196,9 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--split", default="valid", choices=["train", "valid", "test"])
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--shift", type=int, default=0, help="retrieved rows this many positions farther")
     a = ap.parse_args()
-    t = diagnose(a.checkpoint, a.split, a.batch_size)
+    t = diagnose(a.checkpoint, a.split, a.batch_size, a.shift)
     hits = sum(r[0] for r in t["j // 8"].values())
     total = sum(r[2] for r in t["j // 8"].values())
     print(f"{a.split}: {total:,} scored repeat tokens, source in a selected segment for {hits / total:.3f}")
