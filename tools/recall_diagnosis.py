@@ -17,8 +17,8 @@ source (0.2-wide bins), plus the accuracy on misses.
 ``--shift S`` runs the checkpoint with every retrieved row presented S positions farther from
 the query than ``cache.pos=concat`` places it (S < 0: nearer; at most the memory length), the
 memory and segment unchanged (:func:`shifted_distances`): whether a copy depends on the
-distance at which the source row is seen or only on its content (docs/results.md, "Where the
-accuracy target is missed").
+distance at which the source row is seen or only on its content (docs/results.md, "The cache
+in bfloat16").
 
 Raises SystemExit with one line when the checkpoint is not a crtn model on synthetic data.
 """
