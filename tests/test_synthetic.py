@@ -234,6 +234,38 @@ def test_default_config_through_load_corpus_is_fast():
     assert torch.equal(it2[3].label, b.label)
 
 
+def test_unaligned_repeats_copy_from_any_token_at_every_distance():
+    """aligned=false: each repeated passage is a verbatim copy of the P tokens that start g tokens
+    before it in its own document, g over every integer in [max(min_gap, P), min(max_gap, i*P)]
+    (not only multiples of P); the passages and labels are laid out as with aligned copies."""
+    cfg = small(aligned=False)
+    corpus = make_synthetic(cfg)
+    P = cfg.passage_len
+    seen, n_rep, n_eligible = set(), 0, 0
+    for s in ("train", "valid", "test"):
+        tokens, labels, gaps = (x.numpy() for x in (corpus.splits[s], corpus.labels[s], corpus.repeat_gap[s]))
+        start = 0
+        for toks, labs in documents(tokens, labels):
+            g = gaps[start : start + len(toks)]
+            for i in range(len(toks) // P):
+                lab, gap = labs[i * P : (i + 1) * P], g[i * P : (i + 1) * P]
+                n_eligible += max(cfg.min_gap, P) <= min(cfg.max_gap, i * P)
+                if lab[0] == 0:
+                    assert (lab == 0).all() and (gap == 0).all()
+                    continue
+                n_rep += 1
+                assert lab.tolist() == list(range(1, P + 1)) and (gap == gap[0]).all()
+                back = int(gap[0])
+                assert max(cfg.min_gap, P) <= back <= min(cfg.max_gap, i * P)  # inside the document
+                assert np.array_equal(toks[i * P : (i + 1) * P], toks[i * P - back : (i + 1) * P - back])
+                seen.add(back)
+            start += len(toks) + 1
+    assert seen == set(range(max(cfg.min_gap, P), cfg.max_gap + 1))  # every distance occurs
+    p = cfg.p_repeat
+    assert abs(n_rep / n_eligible - p) < 4 * math.sqrt(p * (1 - p) / n_eligible)
+    assert corpus.info["gap_tokens"] == [20, 50] and "gap_passages" not in corpus.info
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -245,6 +277,7 @@ def test_default_config_through_load_corpus_is_fast():
         ({"min_gap": 60, "max_gap": 50}, "min_gap"),
         ({"min_gap": 17, "max_gap": 23}, "min_gap, max_gap"),  # no multiple of 8 in [17, 23]
         ({"doc_passages": 3}, "doc_passages"),
+        ({"aligned": False, "doc_passages": 3, "min_gap": 30}, "aligned"),  # 30 > 2 passages of 8
         ({"train_tokens": 0}, "train_tokens"),
     ],
 )

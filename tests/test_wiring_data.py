@@ -187,6 +187,10 @@ def check_max_gap(ctx: Ctx) -> None:
     assert gaps(ctx.on) == {24, 28} and max(gaps(ctx.off)) == 40
 
 
+def check_aligned(ctx: Ctx) -> None:  # copies from any token: distances that are not multiples of P = 4
+    assert {g % 4 for g in gaps(ctx.on)} == {0, 1, 2, 3} and {g % 4 for g in gaps(ctx.off)} == {0}
+
+
 def tokens_of(name: str, on_n: int, off_n: int):
     def check(ctx: Ctx) -> None:
         assert len(split(ctx.on, name)) == on_n and len(split(ctx.off, name)) == off_n
@@ -322,6 +326,7 @@ SYNTHETIC_WIRING: dict[str, Wire] = {
     "data.synthetic.p_repeat": Wire(0.0, synthetic(check_p_repeat)),
     "data.synthetic.min_gap": Wire(36, check_min_gap),
     "data.synthetic.max_gap": Wire(28, check_max_gap),
+    "data.synthetic.aligned": Wire(False, check_aligned),
     "data.synthetic.train_tokens": Wire(3000, tokens_of("train", 3000, 2000)),
     "data.synthetic.valid_tokens": Wire(300, tokens_of("valid", 300, 256)),
     "data.synthetic.test_tokens": Wire(320, tokens_of("test", 320, 256)),

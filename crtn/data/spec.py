@@ -42,6 +42,9 @@ class SyntheticSpec:
     p_repeat: float = 0.5  # probability that a passage copies an earlier one
     min_gap: int = 160  # tokens between the copied passage and its copy, at least
     max_gap: int = 256  # ... and at most
+    # copies start at passage boundaries, so copy distances are multiples of passage_len; false:
+    # at any token, every distance in [max(min_gap, passage_len), max_gap]
+    aligned: bool = True
     train_tokens: int = 2_000_000
     valid_tokens: int = 65_536
     test_tokens: int = 65_536

@@ -11,8 +11,12 @@ i (starting at token i*P of its document) is, with probability ``p_repeat`` and
 if some earlier passage j of the document starts between ``min_gap`` and
 ``max_gap`` tokens before it (``min_gap <= (i-j)*P <= max_gap``), a verbatim copy
 of one such passage chosen uniformly; otherwise its tokens are drawn from the
-Markov source, continuing from the previous token. Labels: 0 for a fresh token
-or ``<eos>``, k (1-based) for the k-th token of a repeated passage.
+Markov source, continuing from the previous token. With ``aligned`` false the
+copy may start at any earlier token of the document instead: the P tokens that
+start g tokens before passage i, g uniform over the integers in
+[max(min_gap, P), min(max_gap, i*P)] (at least P, so that the source lies before
+the copy), and copy distances are no longer multiples of P. Labels: 0 for a
+fresh token or ``<eos>``, k (1-based) for the k-th token of a repeated passage.
 
 Determinism: :class:`numpy.random.SeedSequence` (``seed``) spawns one stream
 for the source and one per split, so valid and test differ from train but share
@@ -133,6 +137,15 @@ def _validate(c: dict) -> None:
         )
     if c["repeat_skip"] < 0:
         raise bad("repeat_skip", "must be >= 0")
+    if not c["aligned"]:
+        lo = max(c["min_gap"], c["passage_len"])
+        if c["p_repeat"] > 0 and lo > min(c["max_gap"], (c["doc_passages"] - 1) * c["passage_len"]):
+            raise ConfigError(
+                f"data.synthetic.aligned=false: no copy distance in [max(min_gap, passage_len), max_gap] = "
+                f"[{lo}, {c['max_gap']}] fits in a document of doc_passages={c['doc_passages']} x "
+                f"passage_len={c['passage_len']}, so no passage can be repeated"
+            )
+        return
     lo, hi = math.ceil(c["min_gap"] / c["passage_len"]), c["max_gap"] // c["passage_len"]
     if c["p_repeat"] > 0 and lo > hi:
         raise ConfigError(
@@ -177,14 +190,19 @@ def generate_split(
     V = source.vocab_size
     doc_len = D * P + 1
     n_docs = -(-n_tokens // doc_len)
-    lo, hi = math.ceil(c["min_gap"] / P), c["max_gap"] // P
-
-    # repeat decisions and sources, vectorised: passage i may copy j = i - d, d in [lo, min(hi, i)]
+    # repeat decisions and sources, vectorised: passage i copies the P tokens starting `back`
+    # tokens before it, back = d*P with d in [lo, min(hi, i)] passages (aligned), or any
+    # back in [lo, min(hi, i*P)] tokens
     i = np.arange(D)
-    n_cand = np.clip(np.minimum(hi, i) - lo + 1, 0, None)
+    if c["aligned"]:
+        lo, hi, unit = math.ceil(c["min_gap"] / P), c["max_gap"] // P, P
+        n_cand = np.clip(np.minimum(hi, i) - lo + 1, 0, None)
+    else:
+        lo, hi, unit = max(c["min_gap"], P), c["max_gap"], 1
+        n_cand = np.clip(np.minimum(hi, i * P) - lo + 1, 0, None)
     rep = (rng.random((n_docs, D)) < c["p_repeat"]) & (n_cand > 0)[None, :]
-    d = lo + np.floor(rng.random((n_docs, D)) * n_cand[None, :]).astype(np.int64)
-    src = np.where(rep, i[None, :] - d, -1)
+    back = unit * (lo + np.floor(rng.random((n_docs, D)) * n_cand[None, :]).astype(np.int64))
+    src = np.where(rep, i[None, :] * P - back, -1)  # first token of each copied passage's source
     u = rng.random((n_docs, D * P))
 
     cum = np.cumsum(source.prob, axis=1)
@@ -193,7 +211,7 @@ def generate_split(
     rows = np.arange(n_docs)
     for p in range(D):
         copy = rep[:, p]
-        src_col = np.maximum(src[:, p], 0) * P
+        src_col = np.maximum(src[:, p], 0)
         for k in range(P):
             col = p * P + k
             if col == 0:
@@ -205,7 +223,7 @@ def generate_split(
             toks[:, col] = np.where(copy, toks[rows, src_col + k], fresh)
 
     labels = np.where(rep[:, :, None], np.arange(1, P + 1)[None, None, :], 0).reshape(n_docs, D * P)
-    gaps = np.repeat(np.where(rep, d * P, 0), P, axis=1)  # tokens back to the copied token
+    gaps = np.repeat(np.where(rep, back, 0), P, axis=1)  # tokens back to the copied token
     prev = np.concatenate([np.full((n_docs, 1), -1), toks[:, :-1]], axis=1)
     nll = source.nll(prev.reshape(-1), toks.reshape(-1)).reshape(n_docs, D * P)
     ent_state = source.entropy()
@@ -260,7 +278,7 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         a repeat when the source cannot produce it there), ``source`` (the
         :class:`MarkovSource`) and ``info``: ``markov_entropy`` (entropy rate of
         the source, nats/token), ``start_entropy``, ``gap_passages`` (the allowed
-        copy distances in passages), ``doc_len``, ``repeat_skip``, and per split
+        copy distances in passages; with ``aligned`` false ``gap_tokens``, in tokens), ``doc_len``, ``repeat_skip``, and per split
         (``info["splits"][name]``) token, document and repeat counts,
         ``fresh_entropy`` (expected source NLL of the fresh tokens, nats),
         ``fresh_source_nll`` (realised mean), ``repeat_fraction``.
@@ -284,7 +302,11 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         "markov_entropy": source.entropy_rate(),
         "start_entropy": source.start_entropy(),
         "uniform_entropy": math.log(V - 1),
-        "gap_passages": [math.ceil(c["min_gap"] / P), c["max_gap"] // P],
+        **(
+            {"gap_passages": [math.ceil(c["min_gap"] / P), c["max_gap"] // P]}
+            if c["aligned"]
+            else {"gap_tokens": [max(c["min_gap"], P), c["max_gap"]]}
+        ),
         "doc_len": c["doc_passages"] * P + 1,
         "repeat_skip": int(c["repeat_skip"]),
         "tokens": {s: len(splits[s]) for s in SPLITS},
