@@ -278,7 +278,8 @@ def make_synthetic(cfg: Any = None) -> Corpus:
         a repeat when the source cannot produce it there), ``source`` (the
         :class:`MarkovSource`) and ``info``: ``markov_entropy`` (entropy rate of
         the source, nats/token), ``start_entropy``, ``gap_passages`` (the allowed
-        copy distances in passages; with ``aligned`` false ``gap_tokens``, in tokens), ``doc_len``, ``repeat_skip``, and per split
+        copy distances in passages; with ``aligned`` false ``gap_tokens``, in tokens),
+        ``doc_len``, ``repeat_skip``, and per split
         (``info["splits"][name]``) token, document and repeat counts,
         ``fresh_entropy`` (expected source NLL of the fresh tokens, nats),
         ``fresh_source_nll`` (realised mean), ``repeat_fraction``.
