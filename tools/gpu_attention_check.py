@@ -20,10 +20,10 @@ keep the eager path) and ``compiled`` (every decoder layer through ``torch.compi
    same precision, with a tolerance: float32 1e-4 nats and 1e-3; bf16 twice bf16's own error
    (the eager bf16 model against the eager float32 one, printed), at least float32's.
 2. Speed, with TF32 products (as tools/gpu_measure.sh runs the apps): after ``--warmup``
-   rounds (compilation, memory and cache full), ``--rounds`` rounds in which each path runs one forward+backward step
-   (mean NLL) in turn, the order rotating every round; per path the median wall time (CUDA
-   synchronised), the speed-up over eager, tokens/s and the peak memory a step allocates beyond
-   what is held before it.
+   rounds (compilation, memory and cache full), ``--rounds`` rounds in which each path runs one
+   forward+backward step (mean NLL) in turn, the order rotating every round; per path the
+   median wall time (CUDA synchronised), the speed-up over eager, tokens/s and the peak memory
+   a step allocates beyond what is held before it.
 
 Prints one Markdown table (one row per model, precision and path) and writes it, with the
 device and settings above it, to ``--out``. Exit status 1 when a check is over its tolerance or
@@ -286,9 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'compiled'")
     args = p.parse_args(argv)
     args.paths = ["eager", *args.paths]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
-        True  # timing: TF32, as gpu_measure.sh runs the apps
-    )
+    # timing with TF32 products, as gpu_measure.sh runs the apps (the checks turn them off)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, 64 * args.tgt_len + 1), generator=g).to(device)
