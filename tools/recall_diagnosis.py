@@ -64,10 +64,10 @@ def shifted_distances(shift: int) -> Iterator[None]:
     from crtn.model.transformer import TransformerLM
 
     core, table, rel_shift = TransformerLM.core, TransformerLM._position_embeddings, attention.rel_shift
-    extra, rows = max(shift, 0), {"c": 0}
+    extra, rows, signature = max(shift, 0), {"c": 0}, inspect.signature(core)
 
     def core_(self, *args, **kwargs):
-        bound = inspect.signature(core).bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs).arguments
         cache, mem = bound.get("cache"), bound.get("mem")
         rows["c"] = cache.k * cache.seg_len if cache is not None and bound.get("real_pos") is None else 0
         m = 0 if mem is None else mem.shape[2]

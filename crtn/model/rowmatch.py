@@ -42,11 +42,16 @@ class LeadIn:
     found: Tensor
     n: int
 
-    def rows(self, rows: Tensor) -> Tensor:
-        """The lead-in rows [G, n_slots, n, d] of ``rows`` [G, n_slots, Ls, d]."""
+    def rows(self, rows: Tensor, at: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The lead-in rows [G, n_slots, n, d] of ``rows`` [G, n_slots, Ls, d]; with ``at`` = (g, i),
+        two [E] long indices, those of slots (g, i) alone: [E, n, d]."""
         G, _, Ls, _ = rows.shape
-        lead = rows[torch.arange(G, device=rows.device)[:, None], self.pred, Ls - self.n :]
-        return lead.mul_(self.found[:, :, None, None].to(lead.dtype))  # the gather made lead: no copy
+        if at is None:
+            g, pred, found = torch.arange(G, device=rows.device)[:, None], self.pred, self.found
+        else:
+            g, pred, found = at[0], self.pred[at], self.found[at]
+        lead = rows[g, pred, Ls - self.n :]
+        return lead.mul_(found[..., None, None].to(lead.dtype))  # the gather made lead: no copy
 
     def follows(self) -> Tensor:
         """[G, n_slots] bool: whether a slot's lead-in is the end of the slot stored just before it
@@ -205,9 +210,7 @@ def _row_max_bf16(
     if by_pred:
         g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
         if len(g_e):
-            found = lead.found[g_e, i_e, None, None].to(rows.dtype)
-            before = rows[g_e, lead.pred[g_e, i_e], Ls - n_lead :] * found  # [E, n_lead, d]
-            block = torch.cat([before, rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
+            block = torch.cat([lead.rows(rows, at=(g_e, i_e)), rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
             ext = torch.bmm(block, q_t[g_e]).to(query.dtype)
             best[g_e, i_e] = _diagonal_sums(ext, w)[:, :Ls].amax(1)
     best = best.transpose(1, 2).contiguous()
