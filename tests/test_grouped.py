@@ -56,6 +56,42 @@ def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, mo
     assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
 
 
+@pytest.mark.parametrize("chunk", [1, None], ids=["tile_per_chunk", "one_chunk"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
+def test_bfloat16_products_round_once_like_a_bfloat16_matrix_product(to_rows, normalize, chunk, monkeypatch):
+    """Products in bfloat16 of float32 operands with bfloat16 rows (``cache.product_dtype``'s
+    default with ``cache.dtype=bfloat16``): the operand is rounded to bfloat16, and the result
+    and the gradient, returned in float32, are within 2^-7 of the sum of the absolute terms of the
+    float64 products of the rounded operands (an operand and the result each rounded once, 2^-8
+    each; with pre-LN the normalised rows too). The float32 products of the same rows
+    (``dtype=float32``) differ from them: the bfloat16 path is the one that ran."""
+    if chunk is not None:
+        monkeypatch.setattr(grouped, "CHUNK_VALUES_16", chunk)
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(6, 4, 16, generator=g).to(torch.bfloat16)  # 6 slots of 4 rows, d = 16
+    index = torch.randint(0, 6, (9, 2), generator=g)
+    shape = (9, 3, 16) if to_rows else (9, 3, 8)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    groups = SlotGroups.of(index, size=2)
+    out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
+    assert out.dtype == torch.float32
+    x64 = x.detach().to(torch.bfloat16).double().requires_grad_()
+    exact = _explicit(x64, values.double(), index, to_rows, normalize)
+    rows = F.layer_norm(values.double(), (16,)) if normalize else values.double()
+    terms = _explicit(x64.detach().abs(), rows.abs(), index, to_rows, False)
+    assert bool(((out.double() - exact).abs() <= 2**-7 * terms).all())
+    w = torch.randn(exact.shape, generator=g)
+    (out * w).sum().backward()
+    w64 = w.to(torch.bfloat16).double()
+    (exact * w64).sum().backward()
+    grad_terms = _explicit(w64.abs(), rows.abs(), index, not to_rows, False)
+    assert x.grad.dtype == torch.float32
+    assert bool(((x.grad.double() - x64.grad).abs() <= 2**-7 * grad_terms).all())
+    f32 = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize, dtype=torch.float32)
+    assert not torch.equal(f32, out)
+
+
 def test_slot_groups_layout_by_hand():
     """Tokens 0..2 select slots [0, 2], [2, 3], [2, 0]: pairs t·k + p = 0..5. With tiles of 2
     pairs, slot 0 holds pairs 0 and 5 (one tile), slot 2 pairs 1, 2, 4 (two tiles, the second

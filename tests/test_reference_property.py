@@ -2,8 +2,8 @@
 over configurations drawn from the whole option space (tests/config_space.py), wherever the
 references implement them: every (query strategy, summary) pair of the registries, every other
 option sampled, except what the references leave out, held at a value they implement (the
-cache's storage dtype: the states' own; ``same_length``: off, as their CRTN passes have it; the
-faiss backend: its scores are float32 and approximate). Per-token NLL must agree to 1e-9 in
+cache's storage dtype and its products' dtype: the states' own; ``same_length``: off, as their
+CRTN passes have it; the faiss backend: its scores are float32 and approximate). Per-token NLL must agree to 1e-9 in
 float64 (docs/method.md §3 asks for 1e-5), segment by segment past the cache's first eviction.
 """
 
@@ -21,7 +21,12 @@ from tests.test_causality_property import CASES, PROFILE, _describe, segments_to
 
 ATOL = 1e-9
 #: what the references do not implement, held at a value they do (module docstring)
-SUPPORTED = {"cache.dtype": None, "model.same_length": False, "cache.backend": "torch"}
+SUPPORTED = {
+    "cache.dtype": None,
+    "cache.product_dtype": None,
+    "model.same_length": False,
+    "cache.backend": "torch",
+}
 PER_CASE = 2
 
 

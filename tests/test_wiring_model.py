@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import crtn.model.flex as flex_module
+import crtn.model.grouped as grouped
 import crtn.model.retriever as retriever_module
 from crtn.model import CRTN, TransformerLM, resolve_spec, with_spec
 from crtn.model.dropout import LockedDropout
@@ -293,6 +294,25 @@ def check_dtype(ctx: Ctx) -> None:
     assert last_state(ctx, 3, spec=ctx.off).cache.values.dtype == torch.bfloat16  # the default
 
 
+def check_product_dtype(ctx: Ctx) -> None:
+    """The retrieved rows, stored in bfloat16 (the default), are multiplied in float32 with the
+    option, in bfloat16 (as stored) without it."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = grouped._TileProduct.forward
+
+    def spy(c, x, values, groups, to_rows, normalize, eps, dtype):
+        seen.append((values.dtype, dtype))
+        return real(c, x, values, groups, to_rows, normalize, eps, dtype)
+
+    with mock.patch.object(grouped._TileProduct, "forward", staticmethod(spy)):
+        last_state(ctx, 6, train=True)
+        on = set(seen)
+        seen.clear()
+        last_state(ctx, 6, spec=ctx.off, train=True)
+    assert on == {(torch.bfloat16, torch.float32)}
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+
+
 # ------------------------------------------------------------------ query.*, summary.*
 def check_strategy(ctx: Ctx) -> None:
     assert build(ctx.on).query.strategy == "last_l" and build(ctx.off).query.strategy == "token"
@@ -377,6 +397,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "cache.layers": Wire(1, check_layers),
     "cache.key_layer": Wire(1, check_key_layer, extra=(LAST_STATE,)),
     "cache.dtype": Wire("float16", check_dtype),
+    "cache.product_dtype": Wire("float32", check_product_dtype),
     "query.strategy": Wire("last_l", check_strategy, extra=(LAST_STATE,)),
     # alpha below 1 (alpha_norm all): with an alpha of 1 the selection has no gradient to stop
     "query.detach": Wire(True, check_detach, extra=(LAST_STATE, "cache.alpha_norm=all")),

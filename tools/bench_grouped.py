@@ -3,8 +3,10 @@ grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before
 with that commit's retrieved attention, row match, top-k and grouped products (:data:`SWAPS`:
 ``attend_with_cache`` of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
-``SlotGroups.to_rows`` and ``from_rows`` of ``crtn/model/grouped.py``; a row match from before
-the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered them then),
+``SlotGroups.to_rows``, ``from_rows`` and ``_chunk`` of ``crtn/model/grouped.py``; a row match
+from before the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered
+them then, and grouped products from before ``cache.product_dtype`` multiply in the operands'
+dtype, as they did),
 every case alternating in one process, so the ratios are side by side on the same machine
 state. The process flushes denormal floats to zero and keeps freed memory as the apps do
 (``crtn.utils``).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import statistics
 import subprocess
 import sys
@@ -56,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: ``crtn-bench``'s table rows, and more: ``default_all`` (the default with alpha below 1),
 #: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval),
 #: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
-#: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32)
+#: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
+#: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
@@ -67,6 +71,7 @@ ROWS = {
         "cache.dtype=float32",
         f"cache.n_slot={BenchSpec().n_slot_large}",
     ],
+    "default_products_float32": ["model=crtn", "cache.product_dtype=float32"],
     "k1_all": ["model=crtn", "cache.layers=null", "cache.alpha_norm=all"],
     "ngram8": [
         "model=crtn",
@@ -91,6 +96,7 @@ SWAPS = [
     ("crtn/model/cache.py", "SegmentCache._top", [(SegmentCache, "_top")]),
     ("crtn/model/grouped.py", "SlotGroups.to_rows", [(SlotGroups, "to_rows")]),
     ("crtn/model/grouped.py", "SlotGroups.from_rows", [(SlotGroups, "from_rows")]),
+    ("crtn/model/grouped.py", "SlotGroups._chunk", [(SlotGroups, "_chunk")]),
 ]
 
 
@@ -130,6 +136,19 @@ def _lead_in_as_then(before, then: type | None):
     return row_scores
 
 
+def _products_as_then(before):
+    """A grouped product (``to_rows`` or ``from_rows``) of another commit, called as today's
+    :class:`crtn.model.grouped._TileProduct` calls it: from before the products had a dtype of
+    their own, it ignores ``dtype`` and multiplies in the operands' dtype, as it did then."""
+    if "dtype" in inspect.signature(before).parameters:
+        return before
+
+    def product(self, x, values, normalize, eps, dtype):
+        return before(self, x, values, normalize, eps)
+
+    return product
+
+
 def implementations(commit: str | None) -> dict[str, list[tuple[object, str, object]]]:
     """Per version ("" now, "_before" at ``commit``), the (holder, name, value) settings of :data:`SWAPS`."""
     out: dict[str, list[tuple[object, str, object]]] = {"": []}
@@ -146,6 +165,8 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
             value = None
         if attr == "ngram_row_scores" and value is not None:
             value = _lead_in_as_then(value, getattr(module, "LeadIn", None))
+        if attr in ("SlotGroups.to_rows", "SlotGroups.from_rows") and value is not None:
+            value = _products_as_then(value)
         before = out.setdefault("_before", [])
         before += [(h, n, getattr(h, n) if value is None else value) for h, n in holders]
     return out

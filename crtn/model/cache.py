@@ -73,6 +73,15 @@ _DTYPES = {
 CACHE_DTYPES = tuple(_DTYPES)
 
 
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a ``cache.dtype`` or ``cache.product_dtype`` value (None stays None).
+
+    Raises:
+        KeyError: a name not in :data:`CACHE_DTYPES` (:func:`resolve_cache` refuses it first).
+    """
+    return None if name is None else _DTYPES[name]
+
+
 def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
     """Check the cache's own options (docs/method.md §3 steps 2 and 5, "Retrieval backends");
     nothing to fill (``cache.layers`` and ``cache.key_layer`` belong to the model,
@@ -92,8 +101,9 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
     check_choice("cache.pos", spec.pos, POS_MODES)
     check_choice("cache.backend", spec.backend, BACKENDS)
     check_choice("cache.faiss_index", spec.faiss_index, FAISS_INDEXES)
-    if spec.dtype is not None:
-        check_choice("cache.dtype", spec.dtype, CACHE_DTYPES)
+    for key in ("dtype", "product_dtype"):
+        if getattr(spec, key) is not None:
+            check_choice(f"cache.{key}", getattr(spec, key), CACHE_DTYPES)
     if spec.backend == "faiss":
         if spec.alpha_norm != "topk":
             raise ConfigError(
@@ -153,7 +163,7 @@ class SegmentCache:
         self.n_slot, self.batch_size = n_slot, batch_size
         self.summary = summary
         self.key_layer = key_layer
-        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype  # None: that of the states
+        self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype  # None: that of the states
         self.backend, self.faiss_index = backend, faiss_index
         self.values: Tensor | None = None  # [n+1, B*N, Ls, d]
         self.keys: Tensor | None = (

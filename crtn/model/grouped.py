@@ -21,6 +21,13 @@ P·H·Ls·d multiply-adds and the read of the slot's rows; with many tokens on f
 tiles waste nothing, with selections spread over many slots small ones pad less. On a CPU the
 tiles run in chunks whose rows and operands (about 1 MB) are read into reused buffers that stay
 in cache (large fresh allocations cost page faults on every call).
+
+The products run in a dtype of their own (``dtype``; ``cache.product_dtype``), by default the
+dtype the cache stores: bfloat16 rows are multiplied as stored, with the per-token operands
+rounded to bfloat16 and the results rounded to bfloat16 before they return in the operands'
+dtype, as bfloat16 autocast rounds a matrix product. A CPU with bfloat16 instructions runs
+these products at about twice float32's rate, but only in calls of many tiles: 16-bit products
+run in chunks of :data:`CHUNK_VALUES_16` values (docs/results.md, "The default cache").
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_READ_PAIRS = 4.0
 #: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
 CHUNK_VALUES = 1 << 18
+#: the same for 16-bit products (8 MB): a bfloat16 batched product costs about as much per call
+#: as float32's at a few tiles, and half as much per tile only at a hundred or more
+CHUNK_VALUES_16 = 1 << 22
 
 
 @dataclass
@@ -100,11 +110,13 @@ class SlotGroups:
         """Tiles of the grouping: one dense product each, over one slot's rows."""
         return self.slots.shape[0]
 
-    def _chunk(self, values: Tensor, width: int) -> int:
-        """Tiles per chunk: on a CPU about 1 MB of rows and operands (``width`` values per pair),
-        so that the reused buffers stay in cache; on a GPU all of them."""
+    def _chunk(self, values: Tensor, width: int, dtype: torch.dtype) -> int:
+        """Tiles per chunk: on a CPU :data:`CHUNK_VALUES` values of rows and operands (``width``
+        values per pair), so that the reused buffers stay in cache, or :data:`CHUNK_VALUES_16`
+        for products in a 16-bit ``dtype``; on a GPU all of them."""
         per_tile = values.shape[1] * values.shape[2] + self.size * width
-        return self.n_tiles if values.is_cuda else max(1, min(self.n_tiles, CHUNK_VALUES // per_tile))
+        limit = CHUNK_VALUES_16 if dtype.itemsize == 2 else CHUNK_VALUES
+        return self.n_tiles if values.is_cuda else max(1, min(self.n_tiles, limit // per_tile))
 
     @staticmethod
     def _buffers(values: Tensor, c: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -126,13 +138,14 @@ class SlotGroups:
             z = cast[: len(slots)].copy_(z)
         return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
 
-    def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
+    def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
         """Products of each token's vectors with its slots' rows: x [T, H, d] -> [T, H, k·Ls],
         out[t, h, p·Ls + r] = x[t, h] · Z_{t,p}[r] (Z_{t,p}: the rows of token t's p-th slot in
-        ``values`` [S, Ls, d])."""
+        ``values`` [S, Ls, d]), computed in ``dtype``, returned in x's."""
         T, H, d = x.shape
         P, Ls = self.size, values.shape[1]
-        c = self._chunk(values, H * d)
+        out_dtype, x = x.dtype, x.to(dtype)
+        c = self._chunk(values, H * d, dtype)
         tiles = x.new_empty(self.n_tiles, P * H, Ls)
         zbufs, qbuf = self._buffers(values, c, x.dtype), x.new_empty(c * P, H, d)
         for s in range(0, self.n_tiles, c):
@@ -140,19 +153,21 @@ class SlotGroups:
             z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
             q = torch.index_select(x, 0, self.token[s * P : e * P], out=qbuf[: (e - s) * P])
             torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
-        return self._by_token(tiles, H).transpose(1, 2).reshape(T, H, self.k * Ls)
+        return self._by_token(tiles, H).to(out_dtype).transpose(1, 2).reshape(T, H, self.k * Ls)
 
-    def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float) -> Tensor:
+    def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
-        sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`). The tiles'
-        results stay in the tiles' pair layout and reach the tokens in one gather (pair i sits at
-        ``place[i]``), then a sum over the k slots."""
+        sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`), computed in
+        ``dtype``, returned in y's. The tiles' results stay in the tiles' pair layout and reach
+        the tokens in one gather (pair i sits at ``place[i]``), then a sum over the k slots in y's
+        dtype."""
         T, H, _ = y.shape
         P, (Ls, d) = self.size, values.shape[1:]
+        out_dtype, y = y.dtype, y.to(dtype)
         pairs = y.new_empty(T * self.k + 1, H, Ls)  # the last row: padding's zeros
         pairs[-1].zero_()
         pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
-        c = self._chunk(values, H * (Ls + d))
+        c = self._chunk(values, H * (Ls + d), dtype)
         res = y.new_empty(self.n_tiles, P * H, d)
         zbufs, wbuf = self._buffers(values, c, y.dtype), y.new_empty(c * P, H, Ls)
         for s in range(0, self.n_tiles, c):
@@ -160,7 +175,7 @@ class SlotGroups:
             z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
             torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
-        out = self._by_token(res, H)  # [T, k, H, d]
+        out = self._by_token(res, H).to(out_dtype)  # [T, k, H, d]
         return out[:, 0] if self.k == 1 else out.sum(1)
 
     def _by_token(self, tiles: Tensor, n_head: int) -> Tensor:
@@ -186,23 +201,25 @@ def choose_tile(count: Tensor) -> int:
 class _TileProduct(torch.autograd.Function):
     """:meth:`SlotGroups.to_rows` (``to_rows``) or :meth:`SlotGroups.from_rows` of x with the
     rows of the cache layer ``values`` (gradient-stopped); each is the other's backward, which
-    reads the rows again instead of saving them. ``values`` is saved with ``save_for_backward``
-    (no copy), so a backward pass after the cache was renewed in place raises autograd's
-    "modified by an inplace operation" error instead of silently using the new values."""
+    reads the rows again instead of saving them, in the same ``dtype``. ``values`` is saved with
+    ``save_for_backward`` (no copy), so a backward pass after the cache was renewed in place
+    raises autograd's "modified by an inplace operation" error instead of silently using the new
+    values."""
 
     @staticmethod
-    def forward(ctx, x, values, groups, to_rows, normalize, eps):  # noqa: D102
-        ctx.groups, ctx.to_rows, ctx.normalize, ctx.eps = groups, to_rows, normalize, eps
+    def forward(ctx, x, values, groups, to_rows, normalize, eps, dtype):  # noqa: D102
+        ctx.groups, ctx.to_rows, ctx.normalize, ctx.eps, ctx.dtype = groups, to_rows, normalize, eps, dtype
         ctx.save_for_backward(values)
         product = groups.to_rows if to_rows else groups.from_rows
-        return product(x, values, normalize, eps)
+        return product(x, values, normalize, eps, dtype)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         (values,) = ctx.saved_tensors
         g: SlotGroups = ctx.groups
         adjoint = g.from_rows if ctx.to_rows else g.to_rows
-        return adjoint(grad.contiguous(), values, ctx.normalize, ctx.eps), None, None, None, None, None
+        dx = adjoint(grad.contiguous(), values, ctx.normalize, ctx.eps, ctx.dtype)
+        return dx, None, None, None, None, None, None
 
 
 def grouped_product(
@@ -213,18 +230,20 @@ def grouped_product(
     to_rows: bool,
     normalize: bool = False,
     eps: float = 1e-5,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Products of per-token operands with the rows of each token's retrieved slots, grouped by
     slot (module docstring; docs/method.md §3, "Efficient main pass").
 
     Args:
         x: [T, H, d] (``to_rows``: scores of folded queries) or [T, H, k·Ls] (mixing weights).
-        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to x's dtype).
+        values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to ``dtype``).
         groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`).
         to_rows: True -> [T, H, k·Ls]; False -> [T, H, d].
         normalize, eps: a parameter-free LayerNorm of the rows (pre-LN).
+        dtype: the products' dtype (module docstring); None: ``values``'s. The result is in x's.
 
     Raises:
         RuntimeError: from ``torch.bmm`` when the shapes above do not hold.
     """
-    return _TileProduct.apply(x, values, groups, to_rows, normalize, eps)
+    return _TileProduct.apply(x, values, groups, to_rows, normalize, eps, dtype or values.dtype)

@@ -57,6 +57,8 @@ class CacheContext:
         gate_k: segments a gate selects per token (min(top_k, filled slots)).
         groups: ``index``'s (token, slot) pairs grouped by slot (:meth:`slot_groups`), computed
             once and shared by every layer that reads this selection; None until then.
+        product_dtype: dtype of the products with the retrieved rows (``cache.product_dtype``,
+            ``grouped.py``); None: the dtype ``values`` are stored in.
     """
 
     values: Tensor
@@ -68,6 +70,7 @@ class CacheContext:
     gate: Any = None
     gate_k: int = 0
     groups: SlotGroups | None = None
+    product_dtype: torch.dtype | None = None
 
     @property
     def k(self) -> int:
@@ -126,7 +129,7 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    ac_c = _folded_scores(attn, rw_q, values, groups)
+    ac_c = _folded_scores(attn, rw_q, values, groups, cache.product_dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -143,41 +146,47 @@ def attend_with_cache(
         alpha = cache.alpha[:, :, None]  # [B, L, 1, k]
         prob_c = (prob_c.view(B, L, H, cache.k, cache.seg_len) * alpha[..., None]).view(B, L, H, C)
     prob_c = prob_c.reshape(B * L, H, C)
-    mixed = _folded_mix(attn, prob_c, values, groups)
+    mixed = _folded_mix(attn, prob_c, values, groups, cache.product_dtype)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
 
 
-def _folded_scores(attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
+def _folded_scores(
+    attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups, dtype: torch.dtype | None
+) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
-    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]."""
+    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]; the products
+    with the rows in ``dtype`` (None: the rows')."""
     B, L, H, dh = rw_q.shape
     w_k = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[1]
     q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(-1, H, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         out = (
-            grouped_product(q_model * g, values, groups, to_rows=True, normalize=True, eps=eps)
+            grouped_product(q_model * g, values, groups, to_rows=True, normalize=True, eps=eps, dtype=dtype)
             + (q_model @ b)[..., None]
         )
     else:
-        out = grouped_product(q_model, values, groups, to_rows=True)
+        out = grouped_product(q_model, values, groups, to_rows=True, dtype=dtype)
     return out.reshape(B * L, H, -1)
 
 
-def _folded_mix(attn: Any, prob_c: Tensor, values: Tensor, groups: SlotGroups) -> Tensor:
+def _folded_mix(
+    attn: Any, prob_c: Tensor, values: Tensor, groups: SlotGroups, dtype: torch.dtype | None
+) -> Tensor:
     """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls], values
-    [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] -> [T, H, d_h]."""
+    [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] -> [T, H, d_h]; the products with
+    the rows in ``dtype`` (None: the rows')."""
     H = prob_c.shape[1]
     w_v = attn.qkv_net.weight.view(3, H, attn.d_head, attn.d_model)[2]
     if attn.pre_lnorm:
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         mix = (
-            grouped_product(prob_c, values, groups, to_rows=False, normalize=True, eps=eps) * g
+            grouped_product(prob_c, values, groups, to_rows=False, normalize=True, eps=eps, dtype=dtype) * g
             + prob_c.sum(-1, keepdim=True) * b
         )
     else:
-        mix = grouped_product(prob_c, values, groups, to_rows=False)  # [T, H, d]
+        mix = grouped_product(prob_c, values, groups, to_rows=False, dtype=dtype)  # [T, H, d]
     return torch.einsum("nhd,hed->nhe", mix, w_v)
 
 

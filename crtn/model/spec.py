@@ -97,6 +97,11 @@ class CacheSpec:
     # that multiplies in bfloat16: docs/method.md §3, "A selection in bfloat16") | float32 |
     # float16 | float64 | None (the states' own dtype)
     dtype: str | None = "bfloat16"
+    # dtype of the retrieved attention's products with the stored rows (crtn/model/grouped.py):
+    # None: the storage dtype, so bfloat16 rows are multiplied as stored, without a cast (docs/method.md
+    # §3, "Efficient main pass"; its cost in docs/results.md, "The default cache") | float32 | float16
+    # | bfloat16 | float64
+    product_dtype: str | None = None
 
     @property
     def enabled(self) -> bool:
