@@ -210,8 +210,15 @@ def state_bytes(case: Case) -> int:
 
 def step_peak(fn: Callable[[], None], device: torch.device) -> int:
     """Largest tensor memory (bytes) allocated during ``fn()`` beyond what was alive before: the CUDA
-    allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU, the profiler's allocation
-    trace on the CPU."""
+    allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU; on the CPU the largest running
+    sum of the profiler's allocation and free records in time order (each allocation is one record,
+    whichever operators it happens inside; memory alive before ``fn`` and freed in it has no record,
+    as the profiler knows no size for it, so it makes no room).
+
+    The profiler's per-operator memory (``FunctionEvent.cpu_memory_usage``) counts an allocation once
+    for every operator it happens inside (``linear`` -> ``matmul`` -> ``mm``): summed over the
+    operators it gives the bytes allocated times the nesting depth, not a peak.
+    """
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated(device)
@@ -221,10 +228,10 @@ def step_peak(fn: Callable[[], None], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
-    for e in events:
-        live += e.cpu_memory_usage
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
         peak = max(peak, live)
     return peak
 
