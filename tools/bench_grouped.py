@@ -143,8 +143,8 @@ def _products_as_then(before):
     if "dtype" in inspect.signature(before).parameters:
         return before
 
-    def product(self, x, values, normalize, eps, dtype):
-        return before(self, x, values, normalize, eps)
+    def product(self, x, values, *, normalize, eps, dtype):
+        return before(self, x, values, normalize=normalize, eps=eps)
 
     return product
 

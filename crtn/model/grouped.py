@@ -26,8 +26,9 @@ The products run in a dtype of their own (``dtype``; ``cache.product_dtype``), b
 dtype the cache stores: bfloat16 rows are multiplied as stored, with the per-token operands
 rounded to bfloat16 and the results rounded to bfloat16 before they return in the operands'
 dtype, as bfloat16 autocast rounds a matrix product. A CPU with bfloat16 instructions runs
-these products at about twice float32's rate, but only in calls of many tiles: 16-bit products
-run in chunks of :data:`CHUNK_VALUES_16` values (docs/results.md, "The default cache").
+these products faster than float32's, but only in calls of many tiles: 16-bit products run in
+chunks of :data:`CHUNK_VALUES_16` values (the step's cost: docs/results.md, "Products in
+bfloat16").
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_READ_PAIRS = 4.0
 #: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
 CHUNK_VALUES = 1 << 18
-#: the same for 16-bit products (8 MB): a bfloat16 batched product costs about as much per call
-#: as float32's at a few tiles, and half as much per tile only at a hundred or more
+#: the same for 16-bit products (8 MB): on the development machine's CPU a bfloat16 batched
+#: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or more
 CHUNK_VALUES_16 = 1 << 22
 
 
@@ -138,7 +139,9 @@ class SlotGroups:
             z = cast[: len(slots)].copy_(z)
         return F.layer_norm(z, (z.shape[-1],), eps=eps) if normalize else z
 
-    def to_rows(self, x: Tensor, values: Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
+    def to_rows(
+        self, x: Tensor, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype
+    ) -> Tensor:
         """Products of each token's vectors with its slots' rows: x [T, H, d] -> [T, H, k·Ls],
         out[t, h, p·Ls + r] = x[t, h] · Z_{t,p}[r] (Z_{t,p}: the rows of token t's p-th slot in
         ``values`` [S, Ls, d]), computed in ``dtype``, returned in x's."""
@@ -155,7 +158,9 @@ class SlotGroups:
             torch.bmm(q.view(e - s, P * H, d), z.transpose(1, 2), out=tiles[s:e])
         return self._by_token(tiles, H).to(out_dtype).transpose(1, 2).reshape(T, H, self.k * Ls)
 
-    def from_rows(self, y: Tensor, values: Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
+    def from_rows(
+        self, y: Tensor, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype
+    ) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
         sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`), computed in
         ``dtype``, returned in y's. The tiles' results stay in the tiles' pair layout and reach
@@ -211,14 +216,14 @@ class _TileProduct(torch.autograd.Function):
         ctx.groups, ctx.to_rows, ctx.normalize, ctx.eps, ctx.dtype = groups, to_rows, normalize, eps, dtype
         ctx.save_for_backward(values)
         product = groups.to_rows if to_rows else groups.from_rows
-        return product(x, values, normalize, eps, dtype)
+        return product(x, values, normalize=normalize, eps=eps, dtype=dtype)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         (values,) = ctx.saved_tensors
         g: SlotGroups = ctx.groups
         adjoint = g.from_rows if ctx.to_rows else g.to_rows
-        dx = adjoint(grad.contiguous(), values, ctx.normalize, ctx.eps, ctx.dtype)
+        dx = adjoint(grad.contiguous(), values, normalize=ctx.normalize, eps=ctx.eps, dtype=ctx.dtype)
         return dx, None, None, None, None, None, None
 
 

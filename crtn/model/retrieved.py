@@ -129,7 +129,7 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    ac_c = _folded_scores(attn, rw_q, values, groups, cache.product_dtype)
+    ac_c = _folded_scores(attn, rw_q, values, groups=groups, dtype=cache.product_dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -146,13 +146,13 @@ def attend_with_cache(
         alpha = cache.alpha[:, :, None]  # [B, L, 1, k]
         prob_c = (prob_c.view(B, L, H, cache.k, cache.seg_len) * alpha[..., None]).view(B, L, H, C)
     prob_c = prob_c.reshape(B * L, H, C)
-    mixed = _folded_mix(attn, prob_c, values, groups, cache.product_dtype)
+    mixed = _folded_mix(attn, prob_c, values, groups=groups, dtype=cache.product_dtype)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
 
 
 def _folded_scores(
-    attn: Any, rw_q: Tensor, values: Tensor, groups: SlotGroups, dtype: torch.dtype | None
+    attn: Any, rw_q: Tensor, values: Tensor, *, groups: SlotGroups, dtype: torch.dtype | None
 ) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
     [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]; the products
@@ -172,7 +172,7 @@ def _folded_scores(
 
 
 def _folded_mix(
-    attn: Any, prob_c: Tensor, values: Tensor, groups: SlotGroups, dtype: torch.dtype | None
+    attn: Any, prob_c: Tensor, values: Tensor, *, groups: SlotGroups, dtype: torch.dtype | None
 ) -> Tensor:
     """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls], values
     [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] -> [T, H, d_h]; the products with

@@ -99,8 +99,8 @@ class CacheSpec:
     dtype: str | None = "bfloat16"
     # dtype of the retrieved attention's products with the stored rows (crtn/model/grouped.py):
     # None: the storage dtype, so bfloat16 rows are multiplied as stored, without a cast (docs/method.md
-    # §3, "Efficient main pass"; its cost in docs/results.md, "The default cache") | float32 | float16
-    # | bfloat16 | float64
+    # §3, "Efficient main pass"; cost and accuracy in docs/results.md, "Products in bfloat16") |
+    # float32 | float16 | bfloat16 | float64
     product_dtype: str | None = None
 
     @property
