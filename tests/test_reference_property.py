@@ -3,8 +3,9 @@ over configurations drawn from the whole option space (tests/config_space.py), w
 references implement them: every (query strategy, summary) pair of the registries, every other
 option sampled, except what the references leave out, held at a value they implement (the
 cache's storage dtype and its products' dtype: the states' own; ``same_length``: off, as their
-CRTN passes have it; the faiss backend: its scores are float32 and approximate). Per-token NLL must agree to 1e-9 in
-float64 (docs/method.md §3 asks for 1e-5), segment by segment past the cache's first eviction.
+CRTN passes have it; the faiss backend: its scores are float32 and approximate). Per-token NLL
+must agree to 1e-9 in float64 (docs/method.md §3 asks for 1e-5), segment by segment past the
+cache's first eviction.
 """
 
 from __future__ import annotations
