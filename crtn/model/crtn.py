@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
-from crtn.model.cache import SegmentCache, alpha_is_one, resolve_cache
+from crtn.model.cache import SegmentCache, alpha_is_one, resolve_cache, torch_dtype
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import block_keys
 from crtn.model.query import STRATEGIES
@@ -109,6 +109,8 @@ class CRTN(TransformerLM):
         # get none (they could not learn: the scores reach the loss only through the argmax)
         self.weighted = c.weighted and not alpha_is_one(c.alpha_norm, c.top_k)
         self.real_pos, self.detach = c.pos == "real", spec.query.detach
+        # dtype of the retrieved attention's products (cache.product_dtype; None: as stored)
+        self.product_dtype = torch_dtype(c.product_dtype)
         # R_prev is kept for the strategies that read it and for the summaries' query lead-in (a gate
         # takes its lead-in queries from each layer's memory)
         self.needs_r_prev = not self.query.in_attention and (

@@ -168,19 +168,18 @@ class SlotGroups:
         dtype."""
         T, H, _ = y.shape
         P, (Ls, d) = self.size, values.shape[1:]
-        out_dtype, y = y.dtype, y.to(dtype)
-        pairs = y.new_empty(T * self.k + 1, H, Ls)  # the last row: padding's zeros
+        pairs = y.new_empty(T * self.k + 1, H, Ls, dtype=dtype)  # the last row: padding's zeros
         pairs[-1].zero_()
-        pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))
+        pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))  # cast here
         c = self._chunk(values, H * (Ls + d), dtype)
-        res = y.new_empty(self.n_tiles, P * H, d)
-        zbufs, wbuf = self._buffers(values, c, y.dtype), y.new_empty(c * P, H, Ls)
+        res = pairs.new_empty(self.n_tiles, P * H, d)
+        zbufs, wbuf = self._buffers(values, c, dtype), pairs.new_empty(c * P, H, Ls)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
             z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
             w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
             torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
-        out = self._by_token(res, H).to(out_dtype)  # [T, k, H, d]
+        out = self._by_token(res, H).to(y.dtype)  # [T, k, H, d]
         return out[:, 0] if self.k == 1 else out.sum(1)
 
     def _by_token(self, tiles: Tensor, n_head: int) -> Tensor:

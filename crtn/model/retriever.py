@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from crtn.model.cache import SegmentCache, Selection, torch_dtype
+from crtn.model.cache import SegmentCache, Selection
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import Gate
 from crtn.model.query import QueryInputs
@@ -112,7 +112,7 @@ class QueryPass:
             weighted=model.weighted,
             age=selection.age,
             first_layer=model.retrieve_from,
-            product_dtype=torch_dtype(model.spec.cache.product_dtype),
+            product_dtype=model.product_dtype,
         )
         real_pos = None
         if model.real_pos:
@@ -195,7 +195,7 @@ class InAttention:
             first_layer=model.retrieve_from,
             gate=gate,
             gate_k=min(c.top_k, cache.n_valid),
-            product_dtype=torch_dtype(c.product_dtype),
+            product_dtype=model.product_dtype,
         )
         real_pos = None
         if model.real_pos:
