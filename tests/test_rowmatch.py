@@ -85,49 +85,81 @@ def test_a_max_shared_by_rows_splits_its_gradient_as_amax(monkeypatch, w, s):
     _check(w, s, ties=True)
 
 
+def _unit(t: torch.Tensor | None, cosine: bool) -> torch.Tensor | None:
+    """Rows at unit length where ``cosine`` (zero rows stay zero), as the cosine match scores them."""
+    return t if t is None or not cosine else torch.nn.functional.normalize(t, dim=-1)
+
+
 @pytest.mark.parametrize(("w", "s"), CASES)
-def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s):
+def test_cosine_scores_rows_at_unit_length(monkeypatch, w, s):
+    """``cosine``: scores and gradients (of the rows as given, through their normalisation) equal
+    the naive loop's on the rows normalised by hand to 1e-10 in float64, with and without gradient
+    (chunks of two slots); with the queries normalised too, every score lies in [-1, 1]."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    query, rows, lead = _inputs(w, s)
+    query = torch.nn.functional.normalize(query, dim=-1)
+    got = ngram_row_scores(query, rows, lead, ngram=w, shift=s, cosine=True)
+    want = naive_ngram_row_scores(query, _unit(rows, True), _unit(lead, True), w, s)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert float(got.detach().abs().max()) <= 1.0 + 1e-12
+    inputs = [t for t in (rows, lead) if t is not None]
+    for a, b in zip(torch.autograd.grad(got.sum(), inputs), torch.autograd.grad(want.sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    with torch.no_grad():
+        plain = ngram_row_scores(query, rows, lead, ngram=w, shift=s, cosine=True)
+    torch.testing.assert_close(plain, want.detach(), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["dot", "cosine"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine):
     """A selection from bfloat16 rows (``cache.dtype=bfloat16``, no gradient) multiplies in
     bfloat16: its scores equal the naive loop's in float64 on the bfloat16-rounded query and rows
     to within the rounding of each product to bfloat16 (unit roundoff 2^-8 of the largest
     product, under a tenth of the largest score: a wrong diagonal or scale errs by about a
-    product), with chunks of two slots. The float32 path on the same rows (cast up chunk by chunk)
+    product), with chunks of two slots. With ``cosine`` the reference's rows are the rounded rows
+    normalised in float64; the path scales each bfloat16 product by its row's reciprocal norm,
+    itself rounded to bfloat16, so the bound is twice the unit roundoff (2^-7), and a product left
+    unscaled errs by its row's norm. The float32 path on the same rows (cast up chunk by chunk)
     keeps the unrounded query."""
     monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * (w - 1 + 4) * (3 + w - 1 + s))
     query, rows, lead = (None if t is None else t.detach() for t in _inputs(w, s))
-    query = query.float()
+    query = _unit(query.float(), cosine)
     rows16 = rows.bfloat16()
     lead16 = None if lead is None else lead.bfloat16()
-    got = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s)
+    got = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s, cosine=cosine)
     assert got.dtype == torch.float32 and got.shape == (2, 4, 5)
     exact = [None if t is None else t.double() for t in (query.bfloat16(), rows16, lead16)]
+    exact[1:] = [_unit(t, cosine) for t in exact[1:]]
     want = naive_ngram_row_scores(*exact, w, s)
     every = [exact[1].flatten(1, 2)] + ([] if lead is None else [exact[2].flatten(1, 2)])
     largest = max(float(torch.einsum("gqd,grd->gqr", exact[0], t).abs().max()) for t in every)
-    bound = 2.0**-8 * largest
+    bound = (2.0**-7 if cosine else 2.0**-8) * largest
     error = float((got.double() - want).abs().max())
     assert error <= bound < 0.1 * float(want.abs().max()), (error, bound)
-    unrounded = naive_ngram_row_scores(query.double(), rows16.double(), exact[2], w, s)
+    unrounded = naive_ngram_row_scores(query.double(), exact[1], exact[2], w, s)
     with torch.no_grad():  # the float32 path on the same rows is exact to float32's rounding
         full = ngram_row_scores(
-            query, rows16.float(), None if lead is None else lead16.float(), ngram=w, shift=s
+            query, rows16.float(), None if lead is None else lead16.float(), ngram=w, shift=s, cosine=cosine
         )
     torch.testing.assert_close(full.double(), unrounded, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("cosine", [False, True], ids=["dot", "cosine"])
 @pytest.mark.parametrize("chunk", [1, 2, 5], ids=["one_slot", "two_slots", "one_chunk"])
 @pytest.mark.parametrize(("w", "s"), [(2, 0), (2, 1), (3, 1)])  # w-1+s <= Ls = 3
-def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk):
+def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk, cosine):
     """A lead-in named by the slot it comes from (:class:`rowmatch.LeadIn`, the cache's) is read
     from the products of the slot stored before where that is its predecessor: scores within the
     bfloat16 rounding of the naive loop on the lead-in gathered by hand, and of the bfloat16 path
     given those gathered rows. Batch row 0 is a full ring (segments 5, 6, 2, 3, 4: slot 0 follows
     slot 4, slot 2 holds the oldest, with no predecessor); batch row 1 has segments 0, 1, 2, 4, 3
     (slots 3 and 4 follow slots other than the one before them); chunks of one, two and five
-    slots, so a predecessor lies in the chunk before."""
+    slots, so a predecessor lies in the chunk before. With ``cosine`` the rows at unit length
+    (the zero lead-in scores 0), within 2^-7 (the products and the norms rounded)."""
     monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", chunk * (w - 1 + 4) * (3 + w - 1 + s))
     query, rows, _ = (None if t is None else t.detach() for t in _inputs(w, s))
-    query, rows16 = query.float(), rows.bfloat16()
+    query, rows16 = _unit(query.float(), cosine), rows.bfloat16()
     pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
     found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
     n = w - 1 + s
@@ -136,15 +168,16 @@ def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, ch
         for i in range(5):
             if found[g, i]:
                 lead16[g, i] = rows16[g, pred[g, i], 3 - n :]
-    got = ngram_row_scores(query, rows16, rowmatch.LeadIn(pred, found, n), ngram=w, shift=s)
-    exact = [t.double() for t in (query.bfloat16(), rows16, lead16)]
+    by_slot = rowmatch.LeadIn(pred, found, n)
+    got = ngram_row_scores(query, rows16, by_slot, ngram=w, shift=s, cosine=cosine)
+    exact = [query.bfloat16().double()] + [_unit(t.double(), cosine) for t in (rows16, lead16)]
     want = naive_ngram_row_scores(*exact, w, s)
     largest = max(
         float(torch.einsum("gqd,grd->gqr", exact[0], t.flatten(1, 2)).abs().max()) for t in exact[1:]
     )
-    bound = 2.0**-8 * largest
+    bound = (2.0**-7 if cosine else 2.0**-8) * largest
     assert float((got.double() - want).abs().max()) <= bound < 0.1 * float(want.abs().max())
-    gathered = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s)
+    gathered = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s, cosine=cosine)
     assert float((got - gathered).abs().max()) <= bound
 
 

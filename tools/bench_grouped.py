@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -126,9 +128,16 @@ PROFILE_STEPS = 3
 def _lead_in_as_then(before, then: type | None):
     """A row match of another commit, given the lead-in as that commit takes it: its own
     :class:`LeadIn` class (``then``), or, from before the lead-in was named by slot (``then``
-    None), the rows gathered as the cache gathered them then (``LeadIn.rows``)."""
+    None), the rows gathered as the cache gathered them then (``LeadIn.rows``); from before the
+    match took ``cosine``, the rows normalised in the query's dtype first, as the summary did then."""
+    takes_cosine = "cosine" in inspect.signature(before).parameters
 
-    def row_scores(query, rows, lead, **kw):
+    def row_scores(query, rows, lead, *, cosine=False, **kw):
+        if takes_cosine:
+            kw["cosine"] = cosine
+        elif cosine:
+            rows = F.normalize(rows.to(query.dtype), dim=-1)
+            lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, torch.Tensor) else lead
         if isinstance(lead, LeadIn):
             lead = lead.rows(rows) if then is None else then(lead.pred, lead.found, lead.n)
         return before(query, rows, lead, **kw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 #: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
@@ -61,10 +62,18 @@ class LeadIn:
 
 
 def ngram_row_scores(
-    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, ngram: int, shift: int
+    query: Tensor,
+    rows: Tensor,
+    lead: Tensor | LeadIn | None,
+    *,
+    ngram: int,
+    shift: int,
+    cosine: bool = False,
 ) -> Tensor:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
-    (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot.
+    (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot;
+    with ``cosine`` every row (lead-in rows included) is scored at unit length, <q, row / |row|>
+    (the caller normalises the queries; ``summary.cosine``).
 
     Computed slot chunk by slot chunk (docs/method.md §3, "Summaries", the computation): per chunk
     one product of the queries with the chunk's rows (and one with their lead-in rows), the w
@@ -82,6 +91,10 @@ def ngram_row_scores(
             the products in bfloat16, :func:`_row_max_bf16`).
         lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or the same named by
             their slots (:class:`LeadIn`), or None when w-1+s = 0.
+        cosine: divide each product by its row's norm (a zero row scores 0). The rows are normalised
+            in the query's dtype first, except on the bfloat16 path, which multiplies the rows as
+            stored and scales each product by its row's reciprocal norm (float32) instead of
+            writing a normalised copy of every row (docs/method.md §3, "A selection in bfloat16").
 
     Returns:
         [G, L, n] in the query's dtype.
@@ -103,7 +116,10 @@ def ngram_row_scores(
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
     if no_grad and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
-        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead)
+        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine)
+    if cosine:
+        rows = F.normalize(rows.to(query.dtype), dim=-1)
+        lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, Tensor) else lead
     if isinstance(lead, LeadIn):  # the other paths read the lead-in rows themselves
         lead = lead.rows(rows)
     if no_grad:
@@ -160,7 +176,7 @@ def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Ten
 
 
 def _row_max_bf16(
-    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int, n_lead: int
+    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int, n_lead: int, cosine: bool
 ) -> Tensor:
     """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
     bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
@@ -168,7 +184,9 @@ def _row_max_bf16(
     query's dtype. A low-precision first stage, as DeepSeek-V3.2's lightning indexer scores in FP8:
     its scores differ from :func:`_row_max`'s on the same rows by the rounding of the query and of
     each product (about 2^-8 of their size), so slots that score within that of each other may
-    swap places.
+    swap places. With ``cosine`` each product is multiplied by its row's reciprocal norm
+    (:func:`_inverse_norms`, rounded like a product) as it is written out of the product, before
+    the n-gram sums: about 2^-7 of a score then.
 
     Per batch row and chunk of slots: one product of the slots' rows with the queries (rows by
     queries: torch's bfloat16 product is fast on a CPU with bfloat16 matrix units for one matrix
@@ -183,6 +201,8 @@ def _row_max_bf16(
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
+    inv = _inverse_norms(rows) if cosine else None  # [G, N, Ls]
+    inv_lead = _inverse_norms(lead) if cosine and isinstance(lead, Tensor) else None
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
     step = _chunk_slots(query[:1], rows, n_lead)  # one batch row at a time
     best = query.new_empty(G, N, L)
@@ -195,15 +215,16 @@ def _row_max_bf16(
                 j0 = max(i0 - 1, 0)
                 if i0 == 0:  # no slot before: slot 0 is scored again below
                     prod[0].zero_()
-                prod[1 - (i0 - j0) :] = torch.mm(rows[g, j0:i1].reshape(-1, d), q_t[g]).view(-1, Ls, Lq)
+                part = torch.mm(rows[g, j0:i1].reshape(-1, d), q_t[g]).view(-1, Ls, Lq)
+                _put(prod[1 - (i0 - j0) :], part, None if inv is None else inv[g, j0:i1])
                 ext = prod.as_strided((n, n_lead + Ls, Lq), (Ls * Lq, Lq, 1), (Ls - n_lead) * Lq)
             else:
                 ext = query.new_empty(n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
-                ext[:, n_lead:] = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
+                part = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
+                _put(ext[:, n_lead:], part, None if inv is None else inv[g, i0:i1])
                 if lead is not None:
-                    ext[:, :n_lead] = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(
-                        n, n_lead, Lq
-                    )
+                    part = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(n, n_lead, Lq)
+                    _put(ext[:, :n_lead], part, None if inv_lead is None else inv_lead[g, i0:i1])
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
             torch.amax(_diagonal_sums(ext, w)[:, :Ls], 1, out=best[g, i0:i1])
@@ -211,10 +232,28 @@ def _row_max_bf16(
         g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
         if len(g_e):
             block = torch.cat([lead.rows(rows, at=(g_e, i_e)), rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
-            ext = torch.bmm(block, q_t[g_e]).to(query.dtype)
+            ext = query.new_empty(len(g_e), n_lead + Ls, Lq)
+            _put(ext, torch.bmm(block, q_t[g_e]), _inverse_norms(block) if cosine else None)
             best[g_e, i_e] = _diagonal_sums(ext, w)[:, :Ls].amax(1)
     best = best.transpose(1, 2).contiguous()
     return best.mul_(1.0 / w) if w > 1 else best
+
+
+def _inverse_norms(rows: Tensor, eps: float = 1e-12) -> Tensor:
+    """1 / max(|row|, eps) for bfloat16 rows [..., d] -> [...] float32, the divisor of
+    ``F.normalize`` (a zero row scores 0). The norm is accumulated in float32 inside torch's
+    bfloat16 reduction and rounded to bfloat16 (relative error at most 2^-8): asking the
+    reduction for a float32 result instead casts every row to float32 first, a copy that costs
+    as much as the one this path avoids."""
+    return torch.linalg.vector_norm(rows, dim=-1).float().clamp_min_(eps).reciprocal_()
+
+
+def _put(out: Tensor, products: Tensor, scale: Tensor | None) -> None:
+    """out = products [..., R, C] in out's dtype, each row times scale [..., R] where given."""
+    if scale is None:
+        out.copy_(products)
+    else:
+        torch.mul(products, scale[..., None], out=out)
 
 
 def _diagonal_sums(x: Tensor, w: int) -> Tensor:

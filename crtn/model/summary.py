@@ -407,7 +407,10 @@ class TokenMax(Summary):
     embeddings) the slot holding the query's own token, or its n-gram, always wins, whatever the
     norms of the embedding (a raw dot product <e_k, e_j> can exceed <e_k, e_k>). A zero row (no
     predecessor) scores 0. The scores lie in [-1, 1], so alpha is flatter than with dot products
-    (docs/method.md §3, "Summaries"). Normalising reads and writes every scored row once more.
+    (docs/method.md §3, "Summaries"). The rows are normalised inside :func:`ngram_row_scores`: a
+    normalised float32 copy of every scored row, except for a selection without gradient from
+    bfloat16 rows, which divides each bfloat16 product by its row's norm instead (a score then
+    within about 2^-7 of its float32 value; docs/method.md §3, "A selection in bfloat16").
 
     With ``shift`` s = 1 (``summary.shift``) a row is keyed by the w rows *before* it:
 
@@ -493,21 +496,15 @@ class TokenMax(Summary):
         return 1.0 if self.cosine else 1.0 / math.sqrt(self.d_key)
 
     def _map_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
-        """Rows (or pooled rows, or the lead-in) as scored: P_k rows; unit length with ``cosine``.
-        Plain rows (no P_k, no ``cosine``) stay in their storage dtype: :func:`ngram_row_scores`
-        casts them chunk by chunk, or multiplies bfloat16 rows in bfloat16, instead of a copy of
-        the whole cache layer in ``dtype``."""
-        if self.proj_k is None and not self.cosine:
-            return rows
-        rows = rows.to(dtype) if self.proj_k is None else self.proj_k(rows.to(dtype))
-        return F.normalize(rows, dim=-1) if self.cosine else rows
+        """Rows (or pooled rows, or the lead-in) mapped by P_k, if any. Plain rows stay in their
+        storage dtype and are not normalised here: :func:`ngram_row_scores` casts them chunk by
+        chunk, or multiplies bfloat16 rows in bfloat16, and scores them at unit length with
+        ``cosine``, instead of a normalised copy of the whole cache layer in ``dtype``."""
+        return rows if self.proj_k is None else self.proj_k(rows.to(dtype))
 
-    def _map(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        if self.proj_q is not None:
-            query = self.proj_q(query)
-        if self.cosine:
-            query = F.normalize(query, dim=-1)
-        return query, self._map_rows(keys, query.dtype)
+    def _map_query(self, query: Tensor) -> Tensor:
+        query = query if self.proj_q is None else self.proj_q(query)
+        return F.normalize(query, dim=-1) if self.cosine else query
 
     def score(self, query: Tensor, keys: Tensor, lead: Tensor | LeadIn | None = None) -> Tensor:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
@@ -516,13 +513,16 @@ class TokenMax(Summary):
         SegmentCache._lead_in): :func:`ngram_row_scores` times :attr:`scale`."""
         if isinstance(lead, Tensor):
             lead = self._map_rows(lead, query.dtype)
-        query, keys = self._map(query, keys)
-        scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift)
+        query = self._map_query(query)
+        keys = self._map_rows(keys, query.dtype)
+        scores = ngram_row_scores(query, keys, lead, ngram=self.ngram, shift=self.shift, cosine=self.cosine)
         return scores * self.scale
 
     def score_selected(self, query: Tensor, keys: Tensor) -> Tensor:
-        query, keys = self._map(query, keys)
-        return torch.einsum("bld,blkrd->blkr", query, keys.to(query.dtype)).amax(-1) * self.scale
+        query = self._map_query(query)
+        keys = self._map_rows(keys, query.dtype).to(query.dtype)
+        keys = F.normalize(keys, dim=-1) if self.cosine else keys
+        return torch.einsum("bld,blkrd->blkr", query, keys).amax(-1) * self.scale
 
 
 #: every summary by its config name, in the order of docs/method.md §3
