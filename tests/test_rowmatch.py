@@ -110,9 +110,20 @@ def test_cosine_scores_rows_at_unit_length(monkeypatch, w, s):
     torch.testing.assert_close(plain, want.detach(), rtol=0, atol=1e-10)
 
 
+#: the bfloat16 path one batch row at a time (its CPU form) and all rows in one product (its GPU form)
+ROWS_AT_A_TIME = pytest.mark.parametrize("one_row", [True, False], ids=["row_by_row", "batched"])
+
+
+def _rows_at_a_time(monkeypatch, one_row: bool, elements: int, G: int = 2) -> None:
+    """Make the bfloat16 path take the given form and chunks of ``elements`` per batch row."""
+    monkeypatch.setattr(rowmatch, "_one_row_at_a_time", lambda device: one_row)
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", elements * (1 if one_row else G))
+
+
+@ROWS_AT_A_TIME
 @pytest.mark.parametrize("cosine", [False, True], ids=["dot", "cosine"])
 @pytest.mark.parametrize(("w", "s"), CASES)
-def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine):
+def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine, one_row):
     """A selection from bfloat16 rows (``cache.dtype=bfloat16``, no gradient) multiplies in
     bfloat16: its scores equal the naive loop's in float64 on the bfloat16-rounded query and rows
     to within the rounding of each product to bfloat16 (unit roundoff 2^-8 of the largest
@@ -121,8 +132,8 @@ def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine):
     normalised in float64; the path scales each bfloat16 product by its row's reciprocal norm,
     itself rounded to bfloat16, so the bound is twice the unit roundoff (2^-7), and a product left
     unscaled errs by its row's norm. The float32 path on the same rows (cast up chunk by chunk)
-    keeps the unrounded query."""
-    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    keeps the unrounded query. Row by row (a CPU) and all batch rows in one product (a GPU)."""
+    _rows_at_a_time(monkeypatch, one_row, 2 * (w - 1 + 4) * (3 + w - 1 + s))
     query, rows, lead = (None if t is None else t.detach() for t in _inputs(w, s))
     query = _unit(query.float(), cosine)
     rows16 = rows.bfloat16()
@@ -145,10 +156,11 @@ def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine):
     torch.testing.assert_close(full.double(), unrounded, rtol=0, atol=1e-4)
 
 
+@ROWS_AT_A_TIME
 @pytest.mark.parametrize("cosine", [False, True], ids=["dot", "cosine"])
 @pytest.mark.parametrize("chunk", [1, 2, 5], ids=["one_slot", "two_slots", "one_chunk"])
 @pytest.mark.parametrize(("w", "s"), [(2, 0), (2, 1), (3, 1)])  # w-1+s <= Ls = 3
-def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk, cosine):
+def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk, cosine, one_row):
     """A lead-in named by the slot it comes from (:class:`rowmatch.LeadIn`, the cache's) is read
     from the products of the slot stored before where that is its predecessor: scores within the
     bfloat16 rounding of the naive loop on the lead-in gathered by hand, and of the bfloat16 path
@@ -156,8 +168,9 @@ def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, ch
     slot 4, slot 2 holds the oldest, with no predecessor); batch row 1 has segments 0, 1, 2, 4, 3
     (slots 3 and 4 follow slots other than the one before them); chunks of one, two and five
     slots, so a predecessor lies in the chunk before. With ``cosine`` the rows at unit length
-    (the zero lead-in scores 0), within 2^-7 (the products and the norms rounded)."""
-    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", chunk * (w - 1 + 4) * (3 + w - 1 + s))
+    (the zero lead-in scores 0), within 2^-7 (the products and the norms rounded). Row by row and
+    all batch rows in one product."""
+    _rows_at_a_time(monkeypatch, one_row, chunk * (w - 1 + 4) * (3 + w - 1 + s))
     query, rows, _ = (None if t is None else t.detach() for t in _inputs(w, s))
     query, rows16 = _unit(query.float(), cosine), rows.bfloat16()
     pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])

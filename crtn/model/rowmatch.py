@@ -188,9 +188,11 @@ def _row_max_bf16(
     (:func:`_inverse_norms`, rounded like a product) as it is written out of the product, before
     the n-gram sums: about 2^-7 of a score then.
 
-    Per batch row and chunk of slots: one product of the slots' rows with the queries (rows by
-    queries: torch's bfloat16 product is fast on a CPU with bfloat16 matrix units for one matrix
-    at a time, not batched at these shapes); a slot's n-gram sums are the diagonal window sums
+    Per batch row and chunk of slots on a CPU, per chunk of slots for all batch rows at once
+    elsewhere (:func:`_one_row_at_a_time`): one product of the slots' rows with the queries (rows
+    by queries: torch's bfloat16 product is fast on a CPU with bfloat16 matrix units for one matrix
+    at a time, not batched at these shapes; on a GPU a loop over batch rows would launch some ten
+    kernels per row); a slot's n-gram sums are the diagonal window sums
     (:func:`_diagonal_sums`) of ``ext`` [w-1+s+Ls, Lq], its lead-in rows' products above its
     own. With a :class:`LeadIn` the lead-in rows are the last rows of the slot stored before
     (the ring buffer writes a stream's segments in turn), so the chunk's product starts one slot
@@ -204,30 +206,39 @@ def _row_max_bf16(
     inv = _inverse_norms(rows) if cosine else None  # [G, N, Ls]
     inv_lead = _inverse_norms(lead) if cosine and isinstance(lead, Tensor) else None
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
-    step = _chunk_slots(query[:1], rows, n_lead)  # one batch row at a time
+    one_row = _one_row_at_a_time(query.device)
+    step = _chunk_slots(query[:1] if one_row else query, rows, n_lead)
     best = query.new_empty(G, N, L)
-    for g in range(G):
+    for gs in [slice(g, g + 1) for g in range(G)] if one_row else [slice(None)]:
+        q_g = q_t[gs]  # [Gb, d, Lq]
+        Gb = q_g.shape[0]
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
             n = i1 - i0
             if by_pred:  # products of slots i0-1 .. i1-1; slot i's ext starts n_lead rows before its own
-                prod = query.new_empty(n + 1, Ls, Lq)
+                prod = query.new_empty(Gb, n + 1, Ls, Lq)
                 j0 = max(i0 - 1, 0)
                 if i0 == 0:  # no slot before: slot 0 is scored again below
-                    prod[0].zero_()
-                part = torch.mm(rows[g, j0:i1].reshape(-1, d), q_t[g]).view(-1, Ls, Lq)
-                _put(prod[1 - (i0 - j0) :], part, None if inv is None else inv[g, j0:i1])
-                ext = prod.as_strided((n, n_lead + Ls, Lq), (Ls * Lq, Lq, 1), (Ls - n_lead) * Lq)
+                    prod[:, 0].zero_()
+                part = _products(rows[gs, j0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, Ls, Lq)
+                _put(prod[:, 1 - (i0 - j0) :], part, None if inv is None else inv[gs, j0:i1])
+                ext = prod.as_strided(
+                    (Gb, n, n_lead + Ls, Lq), ((n + 1) * Ls * Lq, Ls * Lq, Lq, 1), (Ls - n_lead) * Lq
+                )
             else:
-                ext = query.new_empty(n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
-                part = torch.mm(rows[g, i0:i1].reshape(n * Ls, d), q_t[g]).view(n, Ls, Lq)
-                _put(ext[:, n_lead:], part, None if inv is None else inv[g, i0:i1])
+                ext = query.new_empty(Gb, n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
+                part = _products(rows[gs, i0:i1].reshape(Gb, n * Ls, d), q_g).view(Gb, n, Ls, Lq)
+                _put(ext[:, :, n_lead:], part, None if inv is None else inv[gs, i0:i1])
                 if lead is not None:
-                    part = torch.mm(lead[g, i0:i1].reshape(n * n_lead, d), q_t[g]).view(n, n_lead, Lq)
-                    _put(ext[:, :n_lead], part, None if inv_lead is None else inv_lead[g, i0:i1])
+                    part = _products(lead[gs, i0:i1].reshape(Gb, n * n_lead, d), q_g)
+                    _put(
+                        ext[:, :, :n_lead],
+                        part.view(Gb, n, n_lead, Lq),
+                        None if inv_lead is None else inv_lead[gs, i0:i1],
+                    )
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
-            torch.amax(_diagonal_sums(ext, w)[:, :Ls], 1, out=best[g, i0:i1])
+            torch.amax(_diagonal_sums(ext, w)[..., :Ls, :], -2, out=best[gs, i0:i1])
     if by_pred:
         g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
         if len(g_e):
@@ -237,6 +248,18 @@ def _row_max_bf16(
             best[g_e, i_e] = _diagonal_sums(ext, w)[:, :Ls].amax(1)
     best = best.transpose(1, 2).contiguous()
     return best.mul_(1.0 / w) if w > 1 else best
+
+
+def _one_row_at_a_time(device: torch.device) -> bool:
+    """Whether :func:`_row_max_bf16` multiplies one batch row at a time (a CPU: one bfloat16 matrix
+    product per call is what its bfloat16 units run fast) or all batch rows in one batched product
+    per chunk of slots (a GPU, where each call is a kernel launch)."""
+    return device.type == "cpu"
+
+
+def _products(rows: Tensor, q_t: Tensor) -> Tensor:
+    """rows [Gb, R, d] times q_t [Gb, d, Lq] -> [Gb, R, Lq]: one matrix product where Gb = 1."""
+    return torch.mm(rows[0], q_t[0])[None] if rows.shape[0] == 1 else torch.bmm(rows, q_t)
 
 
 def _inverse_norms(rows: Tensor, eps: float = 1e-12) -> Tensor:
