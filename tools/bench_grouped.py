@@ -21,10 +21,13 @@ Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard si
 ``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case and, per step, the
 operators where each case spends more than Transformer-XL (:func:`difference`); with
-``--device cuda`` also the kernels by GPU time, and how much of each step the GPU is busy (the
-kernels' time over the step's wall time); ``--peak``
+``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
+kernels' time over the step's wall time) and how many kernels a step launches; ``--peak``
 each case's peak step memory as ``crtn-bench`` measures it. Run it from a git checkout
-(``--before`` reads the old module with ``git show``).
+(``--before`` reads the old module with ``git show``), or give ``--before`` a folder holding the
+old commit's files where the checkout has no history (a GPU machine's copy):
+
+    git archive 6f25120 crtn | tar -x -C .before && python tools/bench_grouped.py --before .before
 """
 
 from __future__ import annotations
@@ -103,14 +106,25 @@ SWAPS = [
 
 
 def old_module(commit: str, path: str):
-    """The module at ``path`` as it was at ``commit`` (loaded under a name of its own)."""
-    text = subprocess.run(
-        ["git", "show", f"{commit}:{path}"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    """The module at ``path`` as it was at ``commit`` (loaded under a name of its own); ``commit``
+    may also be a folder holding that commit's files (``git archive COMMIT crtn | tar -x -C
+    FOLDER``), for a machine whose copy of the repository has no history.
+
+    Raises:
+        FileNotFoundError: ``commit`` is a folder without ``path``.
+        subprocess.CalledProcessError: ``git show`` found no ``path`` at ``commit``.
+    """
+    folder = Path(commit)
+    if folder.is_dir():
+        text = (folder / path).read_text()
+    else:
+        text = subprocess.run(
+            ["git", "show", f"{commit}:{path}"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     name = Path(path).stem + "_before"
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(text)
@@ -169,7 +183,7 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
             value = module = old_module(commit, path)
             for part in attr.split("."):
                 value = getattr(value, part)
-        except (subprocess.CalledProcessError, AttributeError):  # not there yet: keep today's
+        except (subprocess.CalledProcessError, FileNotFoundError, AttributeError):  # not there yet
             print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
             value = None
         if attr == "ngram_row_scores" and value is not None:
@@ -254,9 +268,14 @@ def main() -> None:
                 print(events.table(sort_by="self_device_time_total", row_limit=15))
                 kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
                 busy = sum(e.self_device_time_total for e in kernels) / 1e3 / PROFILE_STEPS
+                launches = sum(e.count for e in kernels) / PROFILE_STEPS
                 device_ms[c.name] = {e.key: (e.self_device_time_total / 1e3, e.count) for e in kernels}
                 m = 1000 * statistics.median(c.times)
-                print(f"{c.name}: GPU busy {busy:.1f} ms of a {m:.1f} ms step ({busy / m:.0%})", flush=True)
+                print(
+                    f"{c.name}: GPU busy {busy:.1f} ms of a {m:.1f} ms step ({busy / m:.0%}),"
+                    f" {launches:.0f} kernels a step",
+                    flush=True,
+                )
         for c in cases[1:]:
             print(difference(per_step[c.name], per_step[cases[0].name], c.name))
             if cuda:
