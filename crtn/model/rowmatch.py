@@ -194,19 +194,23 @@ def _row_max_bf16(
     at a time, not batched at these shapes; on a GPU a loop over batch rows would launch some ten
     kernels per row); a slot's n-gram sums are the diagonal window sums
     (:func:`_diagonal_sums`) of ``ext`` [w-1+s+Ls, Lq], its lead-in rows' products above its
-    own. With a :class:`LeadIn` the lead-in rows are the last rows of the slot stored before
-    (the ring buffer writes a stream's segments in turn), so the chunk's product starts one slot
-    earlier and ``ext`` is a view of it, overlapping the previous slot's rows; the few slots
+    own. With a :class:`LeadIn` on a CPU the lead-in rows are the last rows of the slot stored
+    before (the ring buffer writes a stream's segments in turn), so the chunk's product starts one
+    slot earlier and ``ext`` is a view of it, overlapping the previous slot's rows; the few slots
     whose lead-in comes from elsewhere (the first slot, the oldest segment's: zeros) are scored
-    again from their gathered lead-in. ``n_lead``: w-1+s, the lead-in rows per slot (0 without
+    again from their gathered lead-in, which finding them costs a host sync. Off the CPU the
+    lead-in rows are gathered instead (:meth:`LeadIn.rows`): a cheap copy there, while a host sync
+    stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows per slot (0 without
     ``lead``). Returns [G, L, n]."""
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
+    one_row = _one_row_at_a_time(query.device)
+    if by_pred and not one_row:  # off the CPU the gather is cheap, a host sync for the rest is not
+        lead, by_pred = lead.rows(rows), False
     inv = _inverse_norms(rows) if cosine else None  # [G, N, Ls]
     inv_lead = _inverse_norms(lead) if cosine and isinstance(lead, Tensor) else None
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
-    one_row = _one_row_at_a_time(query.device)
     step = _chunk_slots(query[:1] if one_row else query, rows, n_lead)
     best = query.new_empty(G, N, L)
     for gs in [slice(g, g + 1) for g in range(G)] if one_row else [slice(None)]:
