@@ -1,4 +1,5 @@
-"""Retrieved rows grouped by slot (crtn/model/grouped.py; docs/method.md §3, "Efficient main pass").
+"""Retrieved rows grouped by slot (crtn/model/grouped.py; docs/method.md §3, "Efficient main pass"),
+and read token by token (the GPU's form).
 
 The products are checked against gathering every token's rows explicitly, the tile layout and
 the tile size against values worked out by hand, and the model that uses them against the naive
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import crtn.model.grouped as grouped
-from crtn.model.grouped import SlotGroups, choose_tile, grouped_product
+import crtn.model.retrieved as retrieved
+from crtn.model.grouped import SlotGroups, TokenRows, choose_tile, grouped_product, pairs_of
 from tests.test_crtn_reference import run_both
 
 ATOL = 1e-10
@@ -56,17 +58,53 @@ def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, mo
     assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
+def test_token_rows_equal_the_explicit_gather(to_rows, normalize):
+    """The token-by-token form (:class:`TokenRows`, a GPU's) gives the same products: values and
+    gradients to 1e-12 in float64 against the explicit gather, a token selecting a slot twice,
+    heads 3, and gradcheck."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)
+    index = torch.randint(0, 6, (9, 2), generator=g)
+    index[0] = 3
+    shape = (9, 3, 5) if to_rows else (9, 3, 8)
+    x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+    pairs = TokenRows.of(index)
+    out = grouped_product(x, values, pairs, to_rows=to_rows, normalize=normalize)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = _explicit(x_ref, values, index, to_rows, normalize)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    fn = lambda y: grouped_product(y, values, pairs, to_rows=to_rows, normalize=normalize)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
+
+
+def test_pairs_take_the_form_of_their_device():
+    """A CPU selection is grouped by slot; another device's is read token by token (a meta tensor
+    stands for a GPU here: only its device type is read)."""
+    assert isinstance(pairs_of(torch.tensor([[0, 1]])), SlotGroups)
+    assert isinstance(pairs_of(torch.zeros(1, 2, dtype=torch.long, device="meta")), TokenRows)
+
+
+@pytest.mark.parametrize("form", ["slot_groups", "token_rows"])
 @pytest.mark.parametrize("chunk", [1, None], ids=["tile_per_chunk", "one_chunk"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
-def test_bfloat16_products_round_once_like_a_bfloat16_matrix_product(to_rows, normalize, chunk, monkeypatch):
+def test_bfloat16_products_round_once_like_a_bfloat16_matrix_product(
+    to_rows, normalize, chunk, form, monkeypatch
+):
     """Products in bfloat16 of float32 operands with bfloat16 rows (``cache.product_dtype``'s
     default with ``cache.dtype=bfloat16``): the operand is rounded to bfloat16, and the result
     and the gradient, returned in float32, are within 2·2^-8 of the sum of the absolute terms of
     the float64 products of the rounded operands (the operand and the result each rounded once,
     2^-8 each; 3·2^-8 with pre-LN, whose normalised rows are rounded too). The float32 products of
     the same rows
-    (``dtype=float32``) differ from them: the bfloat16 path is the one that ran."""
+    (``dtype=float32``) differ from them: the bfloat16 path is the one that ran. Both forms: tiles
+    of 2 pairs, and token by token (its sum over the k slots inside one product, rounded once)."""
     if chunk is not None:
         monkeypatch.setattr(grouped, "CHUNK_VALUES_16", chunk)
     g = torch.Generator().manual_seed(1)
@@ -74,7 +112,7 @@ def test_bfloat16_products_round_once_like_a_bfloat16_matrix_product(to_rows, no
     index = torch.randint(0, 6, (9, 2), generator=g)
     shape = (9, 3, 16) if to_rows else (9, 3, 8)
     x = torch.randn(*shape, generator=g, requires_grad=True)
-    groups = SlotGroups.of(index, size=2)
+    groups = SlotGroups.of(index, size=2) if form == "slot_groups" else TokenRows.of(index)
     out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
     assert out.dtype == torch.float32
     x64 = x.detach().to(torch.bfloat16).double().requires_grad_()
@@ -150,13 +188,15 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("size", [1, 2, None], ids=["tile1", "tile2", "chosen"])
+@pytest.mark.parametrize("size", [1, 2, None, "token_rows"], ids=["tile1", "tile2", "chosen", "token_rows"])
 @pytest.mark.parametrize("variant", list(MODELS.values()), ids=list(MODELS))
 def test_model_matches_the_naive_reference_to_1e_10(variant, size, monkeypatch):
     """NLL, selections and every parameter gradient against the per-token float64 reference,
     over segments that fill the cache (fewer filled slots than k at first) and evict, with the
-    rows read one tile per chunk."""
+    rows read one tile per chunk; and with the pairs read token by token (a GPU's form)."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
-    if size is not None:
+    if size == "token_rows":
+        monkeypatch.setattr(retrieved, "pairs_of", TokenRows.of)
+    elif size is not None:
         monkeypatch.setattr(grouped, "choose_tile", lambda count: size)
     run_both(steps=6, grad=True, atol=ATOL, grad_atol=ATOL, **variant)

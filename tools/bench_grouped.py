@@ -1,7 +1,7 @@
 """Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
 grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
 with that commit's retrieved attention, row match, top-k and grouped products (:data:`SWAPS`:
-``attend_with_cache`` of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of
+``attend_with_cache`` and ``CacheContext.slot_groups`` (the pairs' form) of ``crtn/model/retrieved.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
 ``SlotGroups.to_rows``, ``from_rows`` and ``_chunk`` of ``crtn/model/grouped.py``; a row match
 from before the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered
@@ -57,6 +57,7 @@ from crtn.bench.cases import Stepper, make_case, step_peak, sync
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
 from crtn.model.grouped import SlotGroups
+from crtn.model.retrieved import CacheContext
 from crtn.model.rowmatch import LeadIn
 from crtn.utils import flush_denormals, tune_allocator
 
@@ -93,6 +94,7 @@ ROWS = {
 #: what ``--before`` replaces: (file, attribute of it, [(module, name) it is read through])
 SWAPS = [
     ("crtn/model/retrieved.py", "attend_with_cache", [(attention, "attend_with_cache")]),
+    ("crtn/model/retrieved.py", "CacheContext.slot_groups", [(CacheContext, "slot_groups")]),
     (
         "crtn/model/rowmatch.py",
         "ngram_row_scores",

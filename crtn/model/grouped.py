@@ -189,6 +189,61 @@ class SlotGroups:
         return tiles.view(-1, n_head, X).index_select(0, self.place).view(self.n_tokens, self.k, n_head, X)
 
 
+@dataclass(frozen=True)
+class TokenRows:
+    """The (token, slot) pairs of a selection read token by token: the same products as
+    :class:`SlotGroups` (``to_rows``, ``from_rows``, the adjoint of each other), each token's k·Ls
+    rows gathered and multiplied with its operand in one batched product. Its shapes depend
+    only on the selection's [T, k], so building it costs no host sync and no sorting: the form
+    for a GPU, whose step is the launching of its kernels and where a gather of T·k·Ls·d values
+    is cheap (:func:`pairs_of`). On a CPU the gather is the cost the grouping removes.
+
+    Attributes:
+        n_tokens: T; k: slots per token; index: [T, k] long, the rows of the cache layer.
+    """
+
+    n_tokens: int
+    k: int
+    index: Tensor
+
+    @classmethod
+    def of(cls, index: Tensor) -> TokenRows:
+        """The pairs of the selection ``index`` [T, k] (rows of a cache layer)."""
+        return cls(index.shape[0], index.shape[1], index)
+
+    def _rows(self, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
+        """Each token's k·Ls rows [T, k·Ls, d] of ``values`` [S, Ls, d] in ``dtype`` (slot p's rows
+        at p·Ls ..), with ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
+        Ls, d = values.shape[1:]
+        z = values.index_select(0, self.index.reshape(-1)).to(dtype)
+        z = F.layer_norm(z, (d,), eps=eps) if normalize else z
+        return z.view(self.n_tokens, self.k * Ls, d)
+
+    def to_rows(
+        self, x: Tensor, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype
+    ) -> Tensor:
+        """:meth:`SlotGroups.to_rows`: x [T, H, d] -> [T, H, k·Ls] in x's dtype."""
+        z = self._rows(values, normalize=normalize, eps=eps, dtype=dtype)
+        return torch.bmm(x.to(dtype), z.transpose(1, 2)).to(x.dtype)
+
+    def from_rows(
+        self, y: Tensor, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype
+    ) -> Tensor:
+        """:meth:`SlotGroups.from_rows`: y [T, H, k·Ls] -> [T, H, d] in y's dtype (the sum over
+        the k slots inside the one product, in ``dtype``'s accumulation)."""
+        z = self._rows(values, normalize=normalize, eps=eps, dtype=dtype)
+        return torch.bmm(y.to(dtype), z).to(y.dtype)
+
+
+def pairs_of(index: Tensor) -> SlotGroups | TokenRows:
+    """The pairs of the selection ``index`` [T, k] in the form for its device: grouped by slot
+    (:class:`SlotGroups`) on a CPU, read token by token (:class:`TokenRows`) elsewhere, where
+    the grouping's data-dependent tile counts cost host syncs in a step that is the launching of
+    its kernels (docs/method.md §3, "Efficient main pass"; docs/results.md, "The selection
+    without per-row loops or host syncs on the GPU")."""
+    return SlotGroups.of(index) if index.device.type == "cpu" else TokenRows.of(index)
+
+
 def choose_tile(count: Tensor) -> int:
     """The tile size for groups of ``count`` [n_groups] pairs: the P of :data:`TILE_SIZES` (or the
     largest group, when smaller) that minimises sum_g ceil(c_g / P) (P + ROW_READ_PAIRS), the
@@ -220,7 +275,7 @@ class _TileProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         (values,) = ctx.saved_tensors
-        g: SlotGroups = ctx.groups
+        g: SlotGroups | TokenRows = ctx.groups
         adjoint = g.from_rows if ctx.to_rows else g.to_rows
         dx = adjoint(grad.contiguous(), values, normalize=ctx.normalize, eps=ctx.eps, dtype=ctx.dtype)
         return dx, None, None, None, None, None, None
@@ -229,7 +284,7 @@ class _TileProduct(torch.autograd.Function):
 def grouped_product(
     x: Tensor,
     values: Tensor,
-    groups: SlotGroups,
+    groups: SlotGroups | TokenRows,
     *,
     to_rows: bool,
     normalize: bool = False,
@@ -242,7 +297,8 @@ def grouped_product(
     Args:
         x: [T, H, d] (``to_rows``: scores of folded queries) or [T, H, k·Ls] (mixing weights).
         values: [S, Ls, d] one layer of the cache (gradient-stopped; cast to ``dtype``).
-        groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`).
+        groups: the selection's pairs grouped by slot (:meth:`SlotGroups.of`), or read token by
+            token (:meth:`TokenRows.of`; :func:`pairs_of` picks by device).
         to_rows: True -> [T, H, k·Ls]; False -> [T, H, d].
         normalize, eps: a parameter-free LayerNorm of the rows (pre-LN).
         dtype: the products' dtype (module docstring); None: ``values``'s. The result is in x's.

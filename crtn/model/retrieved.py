@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from crtn.model.grouped import SlotGroups, grouped_product
+from crtn.model.grouped import SlotGroups, TokenRows, grouped_product, pairs_of
 
 
 @dataclass
@@ -69,7 +69,7 @@ class CacheContext:
     first_layer: int = 0
     gate: Any = None
     gate_k: int = 0
-    groups: SlotGroups | None = None
+    groups: SlotGroups | TokenRows | None = None
     product_dtype: torch.dtype | None = None
 
     @property
@@ -82,12 +82,13 @@ class CacheContext:
         index, alpha, age = sel.flat_index[:, :, 0], sel.alpha[:, :, 0], sel.age[:, :, 0]
         return replace(self, index=index, alpha=alpha, age=age, gate=None, groups=None)
 
-    def slot_groups(self) -> SlotGroups:
-        """The pairs of ``index`` (flattened to [rows, k]) grouped by slot (``grouped.py``), made on
-        the first call and kept: the query pass's selection serves every retrieving layer."""
+    def slot_groups(self) -> SlotGroups | TokenRows:
+        """The pairs of ``index`` (flattened to [rows, k]) grouped by slot, or on a GPU read token
+        by token (``grouped.py``, :func:`pairs_of`), made on the first call and kept: the query
+        pass's selection serves every retrieving layer."""
         if self.groups is None:
             assert self.index is not None
-            self.groups = SlotGroups.of(self.index.reshape(-1, self.k))
+            self.groups = pairs_of(self.index.reshape(-1, self.k))
         return self.groups
 
     @property
@@ -152,7 +153,7 @@ def attend_with_cache(
 
 
 def _folded_scores(
-    attn: Any, rw_q: Tensor, values: Tensor, *, groups: SlotGroups, dtype: torch.dtype | None
+    attn: Any, rw_q: Tensor, values: Tensor, *, groups: SlotGroups | TokenRows, dtype: torch.dtype | None
 ) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
     [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]; the products
@@ -172,7 +173,7 @@ def _folded_scores(
 
 
 def _folded_mix(
-    attn: Any, prob_c: Tensor, values: Tensor, *, groups: SlotGroups, dtype: torch.dtype | None
+    attn: Any, prob_c: Tensor, values: Tensor, *, groups: SlotGroups | TokenRows, dtype: torch.dtype | None
 ) -> Tensor:
     """W_v (sum_r p_r z_r): mix the rows per head first, then project: prob_c [T, H, k*Ls], values
     [B*N, Ls, d], ``groups`` the pairs of the selection [T, k] -> [T, H, d_h]; the products with
