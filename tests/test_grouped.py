@@ -83,11 +83,18 @@ def test_token_rows_equal_the_explicit_gather(to_rows, normalize):
     assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
 
 
-def test_pairs_take_the_form_of_their_device():
+def test_pairs_take_the_form_of_their_device_and_size(monkeypatch):
     """A CPU selection is grouped by slot; another device's is read token by token (a meta tensor
-    stands for a GPU here: only its device type is read)."""
-    assert isinstance(pairs_of(torch.tensor([[0, 1]])), SlotGroups)
-    assert isinstance(pairs_of(torch.zeros(1, 2, dtype=torch.long, device="meta")), TokenRows)
+    stands for a GPU here: only its device type is read), unless its gathered rows would exceed
+    GATHER_VALUES: 3 tokens x 2 slots x 4 rows x 5 = 120 values."""
+    meta = torch.zeros(3, 2, dtype=torch.long, device="meta")
+    assert isinstance(pairs_of(torch.tensor([[0, 1]]), (4, 5)), SlotGroups)
+    assert isinstance(pairs_of(meta, (4, 5)), TokenRows)
+    monkeypatch.setattr(grouped, "GATHER_VALUES", 120)
+    assert isinstance(pairs_of(meta, (4, 5)), TokenRows)
+    monkeypatch.setattr(grouped, "GATHER_VALUES", 119)
+    monkeypatch.setattr(SlotGroups, "of", classmethod(lambda cls, index: "grouped by slot"))
+    assert pairs_of(meta, (4, 5)) == "grouped by slot"  # a meta selection cannot be grouped itself
 
 
 @pytest.mark.parametrize("form", ["slot_groups", "token_rows"])
@@ -196,7 +203,7 @@ def test_model_matches_the_naive_reference_to_1e_10(variant, size, monkeypatch):
     rows read one tile per chunk; and with the pairs read token by token (a GPU's form)."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
     if size == "token_rows":
-        monkeypatch.setattr(retrieved, "pairs_of", TokenRows.of)
+        monkeypatch.setattr(retrieved, "pairs_of", lambda index, rows: TokenRows.of(index))
     elif size is not None:
         monkeypatch.setattr(grouped, "choose_tile", lambda count: size)
     run_both(steps=6, grad=True, atol=ATOL, grad_atol=ATOL, **variant)

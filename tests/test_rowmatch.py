@@ -161,15 +161,15 @@ def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine, on
 @pytest.mark.parametrize("chunk", [1, 2, 5], ids=["one_slot", "two_slots", "one_chunk"])
 @pytest.mark.parametrize(("w", "s"), [(2, 0), (2, 1), (3, 1)])  # w-1+s <= Ls = 3
 def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, chunk, cosine, one_row):
-    """A lead-in named by the slot it comes from (:class:`rowmatch.LeadIn`, the cache's) is read
-    from the products of the slot stored before where that is its predecessor: scores within the
+    """A lead-in named by the slot it comes from (:class:`rowmatch.LeadIn`, the cache's) is read,
+    row by row (a CPU), from the products of the slot stored before where that is its
+    predecessor, and gathered when all batch rows run in one product (a GPU): scores within the
     bfloat16 rounding of the naive loop on the lead-in gathered by hand, and of the bfloat16 path
     given those gathered rows. Batch row 0 is a full ring (segments 5, 6, 2, 3, 4: slot 0 follows
     slot 4, slot 2 holds the oldest, with no predecessor); batch row 1 has segments 0, 1, 2, 4, 3
     (slots 3 and 4 follow slots other than the one before them); chunks of one, two and five
     slots, so a predecessor lies in the chunk before. With ``cosine`` the rows at unit length
-    (the zero lead-in scores 0), within 2^-7 (the products and the norms rounded). Row by row and
-    all batch rows in one product."""
+    (the zero lead-in scores 0), within 2^-7 (the products and the norms rounded)."""
     _rows_at_a_time(monkeypatch, one_row, chunk * (w - 1 + 4) * (3 + w - 1 + s))
     query, rows, _ = (None if t is None else t.detach() for t in _inputs(w, s))
     query, rows16 = _unit(query.float(), cosine), rows.bfloat16()

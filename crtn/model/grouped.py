@@ -50,6 +50,9 @@ CHUNK_VALUES = 1 << 18
 #: the same for 16-bit products (8 MB): on the development machine's CPU a bfloat16 batched
 #: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or more
 CHUNK_VALUES_16 = 1 << 22
+#: the most rows' values a product may gather token by token (:func:`pairs_of`; 512 MB in bfloat16):
+#: above it, as with long segments, large k or many streams, the products group by slot instead
+GATHER_VALUES = 1 << 28
 
 
 @dataclass
@@ -235,13 +238,17 @@ class TokenRows:
         return torch.bmm(y.to(dtype), z).to(y.dtype)
 
 
-def pairs_of(index: Tensor) -> SlotGroups | TokenRows:
-    """The pairs of the selection ``index`` [T, k] in the form for its device: grouped by slot
-    (:class:`SlotGroups`) on a CPU, read token by token (:class:`TokenRows`) elsewhere, where
-    the grouping's data-dependent tile counts cost host syncs in a step that is the launching of
-    its kernels (docs/method.md §3, "Efficient main pass"; docs/results.md, "The selection
-    without per-row loops or host syncs on the GPU")."""
-    return SlotGroups.of(index) if index.device.type == "cpu" else TokenRows.of(index)
+def pairs_of(index: Tensor, rows: tuple[int, int]) -> SlotGroups | TokenRows:
+    """The pairs of the selection ``index`` [T, k] of slots of ``rows`` = (Ls, d) in the form for
+    their device and size: read token by token (:class:`TokenRows`) off the CPU, where the
+    grouping's data-dependent tile counts cost host syncs in a step that is the launching of its
+    kernels, unless the gathered rows would exceed :data:`GATHER_VALUES`; grouped by slot
+    (:class:`SlotGroups`) otherwise (docs/method.md §3, "Efficient main pass"; docs/results.md,
+    "The selection without per-row loops or host syncs on the GPU")."""
+    gathered = index.numel() * rows[0] * rows[1]
+    if index.device.type == "cpu" or gathered > GATHER_VALUES:
+        return SlotGroups.of(index)
+    return TokenRows.of(index)
 
 
 def choose_tile(count: Tensor) -> int:

@@ -88,7 +88,7 @@ class CacheContext:
         pass's selection serves every retrieving layer."""
         if self.groups is None:
             assert self.index is not None
-            self.groups = pairs_of(self.index.reshape(-1, self.k))
+            self.groups = pairs_of(self.index.reshape(-1, self.k), self.values.shape[2:])
         return self.groups
 
     @property
