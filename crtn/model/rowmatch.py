@@ -93,8 +93,9 @@ def ngram_row_scores(
             their slots (:class:`LeadIn`), or None when w-1+s = 0.
         cosine: divide each product by its row's norm (a zero row scores 0). The rows are normalised
             in the query's dtype first, except on the bfloat16 path, which multiplies the rows as
-            stored and scales each product by its row's reciprocal norm (float32) instead of
-            writing a normalised copy of every row (docs/method.md §3, "A selection in bfloat16").
+            stored and scales each product by its row's reciprocal norm (:func:`_inverse_norms`)
+            instead of writing a normalised copy of every row (docs/method.md §3, "A selection in
+            bfloat16").
 
     Returns:
         [G, L, n] in the query's dtype.
@@ -200,8 +201,8 @@ def _row_max_bf16(
     whose lead-in comes from elsewhere (the first slot, the oldest segment's: zeros) are scored
     again from their gathered lead-in, which finding them costs a host sync. Off the CPU the
     lead-in rows are gathered instead (:meth:`LeadIn.rows`): a cheap copy there, while a host sync
-    stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows per slot (0 without
-    ``lead``). Returns [G, L, n]."""
+    stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows
+    per slot (0 without ``lead``). Returns [G, L, n]."""
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
