@@ -1,0 +1,65 @@
+"""tools/bench_grouped.py's side-by-side versions (``--before``): the older code loaded from a
+commit's files in a folder, and the adapters that call an older row match as today's code does."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import torch
+
+from crtn.model.rowmatch import LeadIn, ngram_row_scores
+from tests.reference import naive_ngram_row_scores
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_grouped", ROOT / "tools/bench_grouped.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_before_from_a_folder_loads_each_swap_from_its_files(tmp_path, capsys):
+    """A folder holding crtn/model/*.py (as ``git archive COMMIT crtn`` writes it) gives one
+    older value per holder of every swap, each loaded from the folder's file, not today's
+    object; a swap whose file the folder lacks keeps today's and says so."""
+    tool = _tool()
+    shutil.copytree(ROOT / "crtn/model", tmp_path / "crtn/model")
+    (tmp_path / "crtn/model/gate.py").unlink()
+    versions = tool.implementations(str(tmp_path))
+    now, before = versions[""], versions["_before"]
+    assert [(h, n) for h, n, _ in now] == [(h, n) for h, n, _ in before]
+    assert "no Gate._row_scores in crtn/model/gate.py; that part is today's" in capsys.readouterr().out
+    for (holder, name, today), (_, _, old) in zip(now, before, strict=True):
+        if holder is tool.gate.Gate:
+            assert old is today
+        else:
+            assert old is not today, name
+    loaded = {n: v for h, n, v in before if n == "attend_with_cache"}
+    assert loaded["attend_with_cache"].__module__ == "retrieved_before"
+
+
+def test_an_older_row_match_without_cosine_gets_its_rows_normalised():
+    """A row match from before it took ``cosine`` is called as the summary called it then, with
+    the rows (and a lead-in, gathered by slot for a match from before LeadIn) normalised first:
+    the same scores as today's cosine match, to 1e-12 in float64."""
+    tool = _tool()
+
+    def old_match(query, rows, lead, *, ngram, shift):  # the naive loop, with no cosine
+        return naive_ngram_row_scores(query, rows, lead, ngram, shift)
+
+    adapted = tool._lead_in_as_then(old_match, None)
+    g = torch.Generator().manual_seed(0)
+    query = torch.nn.functional.normalize(torch.randn(2, 5, 6, dtype=torch.float64, generator=g), dim=-1)
+    rows = 3 * torch.randn(2, 4, 3, 6, dtype=torch.float64, generator=g)
+    lead = LeadIn(
+        torch.tensor([[3, 0, 1, 2], [0, 0, 1, 2]]), torch.tensor([[True] * 4, [False] + [True] * 3]), 2
+    )
+    want = ngram_row_scores(query, rows, lead, ngram=2, shift=1, cosine=True)
+    got = adapted(query, rows, lead, ngram=2, shift=1, cosine=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    plain = adapted(query, rows, lead, ngram=2, shift=1, cosine=False)
+    assert not torch.allclose(plain, want)  # unnormalised rows of norm about 3 score otherwise
