@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ TEST_DEFAULTS = {
     "cache.alpha_norm": "all",
     "cache.dtype": None,
 }
+#: the repository's root
+ROOT = Path(__file__).resolve().parents[1]
 #: The synthetic corpus the data tests were written against (data.synthetic.* differing from the schema).
 TEST_SYNTHETIC = {"vocab_size": 128, "max_gap": 320, "train_tokens": 1_000_000}
 
@@ -146,3 +149,15 @@ def run_main(main: Any, prog: str, args: list[str], capfd: Any) -> tuple[int, st
                 h.close()
     out, err = capfd.readouterr()
     return code, out, err
+
+
+def load_tool(name: str, monkeypatch: Any = None) -> Any:
+    """The module of ``tools/NAME.py`` (the tools are scripts, not a package). With a pytest
+    ``monkeypatch`` it is registered in ``sys.modules`` for the test's duration, as a tool whose
+    dataclasses look their module up needs."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module

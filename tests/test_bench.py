@@ -4,10 +4,8 @@ the table's rows composed from YAML, the targets; and tools/bench_main_pass.py."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,8 @@ from crtn.bench.report import check_targets
 from crtn.config import spec_dict
 from crtn.errors import ConfigError
 from crtn.model import resolve_spec
-from tests.helpers import compose_train, run_main
+from tests.helpers import compose_train, load_tool, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["config", "table", "strategies", "range", "scaling", "retrieval"]
 #: the model of the config section: tiny, one layer, and every group given on the command line
 ASKED = [
@@ -307,9 +304,7 @@ def test_bench_composes_the_model_groups_as_crtn_train():
 
 
 def test_main_pass_tool_runs_from_the_checkout():
-    spec = importlib.util.spec_from_file_location("bench_main_pass", ROOT / "tools/bench_main_pass.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_main_pass")
     res = tool.measure(replace(BenchSpec(), **BENCH_SMOKE), batch=1, tgt_len=4, memory=False)
     assert (res["batch"], res["tgt_len"], res["pair"]) == (1, 4, "token/token_max")
     assert res["efficient_ms"] > 0 and res["naive_ms"] > 0

@@ -3,23 +3,17 @@ commit's files in a folder, and the adapters that call an older row match as tod
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import torch
 
 from crtn.model.rowmatch import LeadIn, ngram_row_scores
+from tests.helpers import ROOT, load_tool
 from tests.reference import naive_ngram_row_scores
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_grouped", ROOT / "tools/bench_grouped.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_grouped")
 
 
 def test_before_from_a_folder_loads_each_swap_from_its_files(tmp_path, capsys):

@@ -10,10 +10,7 @@ from the command line and its refusals.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +21,8 @@ from crtn.config import resolve
 from crtn.errors import ConfigError
 from crtn.model import build_model
 from crtn.model.attention import RelPartialLearnableMultiHeadAttn, rel_shift
-from tests.helpers import compose_train, tiny_model
+from tests.helpers import compose_train, load_tool, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
 V = 11
 STEPS = 5
 
@@ -244,12 +240,7 @@ def test_compiled_flex_layers_match_eager():
 def test_gpu_attention_check_runs_on_the_cpu(tmp_path, monkeypatch):
     """tools/gpu_attention_check.py at tiny sizes on the CPU (its plumbing; the GPU is the lead's):
     every row of the table present and within tolerance, the table written to --out."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_attention_check", ROOT / "tools/gpu_attention_check.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, tool)  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
+    tool = load_tool("gpu_attention_check", monkeypatch)  # its dataclasses look their module up
     out = tmp_path / "check.md"
     sizes = ["--batch", "2", "--tgt-len", "4", "--n-layer", "2", "--d-model", "16", "--n-head", "2"]
     rounds = ["--vocab", "20", "--n-slot", "2", "--check-steps", "3", "--warmup", "1", "--rounds", "1"]

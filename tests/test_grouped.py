@@ -31,13 +31,14 @@ def _explicit(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, to_row
     return x @ z.transpose(1, 2) if to_rows else x @ z
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 64, None])
+@pytest.mark.parametrize("size", [1, 2, 3, 64, None, "token_rows"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
 def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, monkeypatch):
     """Every tile size (1: no padding; 2, 3: slots over several tiles, padding; 64: one tile per
-    slot; None: the cost model's), rows read one tile per chunk, a token selecting a slot twice,
-    heads 3; values and gradients to 1e-12 in float64, and gradcheck."""
+    slot; None: the cost model's), rows read one tile per chunk, and the token-by-token form
+    (:class:`TokenRows`, a GPU's); a token selecting a slot twice, heads 3; values and gradients
+    to 1e-12 in float64, and gradcheck."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)  # 6 slots of 4 rows, d = 5
@@ -45,7 +46,7 @@ def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, mo
     index[0] = 3  # a slot twice
     shape = (9, 3, 5) if to_rows else (9, 3, 8)
     x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
-    groups = SlotGroups.of(index, size=size)
+    groups = TokenRows.of(index) if size == "token_rows" else SlotGroups.of(index, size=size)
     out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
     x_ref = x.detach().clone().requires_grad_()
     ref = _explicit(x_ref, values, index, to_rows, normalize)
@@ -55,31 +56,6 @@ def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, mo
     (ref * w).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
     fn = lambda y: grouped_product(y, values, groups, to_rows=to_rows, normalize=normalize)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
-
-
-@pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
-def test_token_rows_equal_the_explicit_gather(to_rows, normalize):
-    """The token-by-token form (:class:`TokenRows`, a GPU's) gives the same products: values and
-    gradients to 1e-12 in float64 against the explicit gather, a token selecting a slot twice,
-    heads 3, and gradcheck."""
-    g = torch.Generator().manual_seed(0)
-    values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)
-    index = torch.randint(0, 6, (9, 2), generator=g)
-    index[0] = 3
-    shape = (9, 3, 5) if to_rows else (9, 3, 8)
-    x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
-    pairs = TokenRows.of(index)
-    out = grouped_product(x, values, pairs, to_rows=to_rows, normalize=normalize)
-    x_ref = x.detach().clone().requires_grad_()
-    ref = _explicit(x_ref, values, index, to_rows, normalize)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
-    fn = lambda y: grouped_product(y, values, pairs, to_rows=to_rows, normalize=normalize)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x.detach().requires_grad_(),))
 
 

@@ -4,9 +4,7 @@ in float64, with chunks of one and several slots, and with maxima shared by seve
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,9 @@ import torch
 from crtn.app_config import BenchSpec
 from crtn.model import rowmatch
 from crtn.model.rowmatch import ngram_row_scores
+from tests.helpers import load_tool
 from tests.reference import naive_ngram_row_scores
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 1)]  # (ngram w, shift s)
 
 
@@ -231,9 +229,7 @@ def test_missing_lead_in_is_refused():
 def test_the_bench_tool_s_unchunked_reference_agrees_and_its_smoke_run_completes():
     """tools/bench_row_match.py times the chunked match against its unchunked formula: that formula
     gives the same scores and gradients (float64), and the score section runs at tiny sizes."""
-    spec = importlib.util.spec_from_file_location("bench_row_match", ROOT / "tools/bench_row_match.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_row_match")
     query, rows, lead = _inputs(4, 1)
     got = ngram_row_scores(query, rows, lead, ngram=4, shift=1)
     want = tool.unchunked_row_scores(query, rows, lead, ngram=4, shift=1)

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import TINY_RUN, cli
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import TINY_RUN, cli, load_tool
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("recall_diagnosis", ROOT / "tools/recall_diagnosis.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("recall_diagnosis")
 
 
 def test_recall_diagnosis_counts_match_evaluation(tmp_path):
