@@ -45,7 +45,7 @@ def test_an_older_row_match_without_cosine_gets_its_rows_normalised():
     def old_match(query, rows, lead, *, ngram, shift):  # the naive loop, with no cosine
         return naive_ngram_row_scores(query, rows, lead, ngram, shift)
 
-    adapted = tool._lead_in_as_then(old_match, None)
+    adapted = tool._row_match_as_then(old_match, None)
     g = torch.Generator().manual_seed(0)
     query = torch.nn.functional.normalize(torch.randn(2, 5, 6, dtype=torch.float64, generator=g), dim=-1)
     rows = 3 * torch.randn(2, 4, 3, 6, dtype=torch.float64, generator=g)

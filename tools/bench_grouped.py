@@ -143,7 +143,7 @@ def old_module(commit: str, path: str):
 PROFILE_STEPS = 3
 
 
-def _lead_in_as_then(before, then: type | None):
+def _row_match_as_then(before, then: type | None):
     """A row match of another commit, given the lead-in as that commit takes it: its own
     :class:`LeadIn` class (``then``), or, from before the lead-in was named by slot (``then``
     None), the rows gathered as the cache gathered them then (``LeadIn.rows``); from before the
@@ -191,7 +191,7 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
             print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
             value = None
         if attr == "ngram_row_scores" and value is not None:
-            value = _lead_in_as_then(value, getattr(module, "LeadIn", None))
+            value = _row_match_as_then(value, getattr(module, "LeadIn", None))
         if attr in ("SlotGroups.to_rows", "SlotGroups.from_rows") and value is not None:
             value = _products_as_then(value)
         before = out.setdefault("_before", [])

@@ -202,25 +202,23 @@ class TokenRows:
     is cheap (:func:`pairs_of`). On a CPU the gather is the cost the grouping removes.
 
     Attributes:
-        n_tokens: T; k: slots per token; index: [T, k] long, the rows of the cache layer.
+        index: [T, k] long, each token's k slots (rows of the cache layer).
     """
 
-    n_tokens: int
-    k: int
     index: Tensor
 
     @classmethod
     def of(cls, index: Tensor) -> TokenRows:
-        """The pairs of the selection ``index`` [T, k] (rows of a cache layer)."""
-        return cls(index.shape[0], index.shape[1], index)
+        """The pairs of the selection ``index`` [T, k] (rows of a cache layer), as :meth:`SlotGroups.of`."""
+        return cls(index)
 
     def _rows(self, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype) -> Tensor:
         """Each token's k·Ls rows [T, k·Ls, d] of ``values`` [S, Ls, d] in ``dtype`` (slot p's rows
         at p·Ls ..), with ``normalize`` given a parameter-free LayerNorm (pre-LN)."""
-        Ls, d = values.shape[1:]
+        (T, k), (Ls, d) = self.index.shape, values.shape[1:]
         z = values.index_select(0, self.index.reshape(-1)).to(dtype)
         z = F.layer_norm(z, (d,), eps=eps) if normalize else z
-        return z.view(self.n_tokens, self.k * Ls, d)
+        return z.view(T, k * Ls, d)
 
     def to_rows(
         self, x: Tensor, values: Tensor, *, normalize: bool, eps: float, dtype: torch.dtype
