@@ -445,8 +445,8 @@ class NaiveCRTN:
             qmem = None
         if self.first == 0:  # a query pass over X_t without cache
             r_cur = self._pass(tokens, qmem, t0)[self.key_layer]
-        else:  # cache.layers: the main pass's own states below the first retrieving layer
-            r_cur = self._pass(tokens, st.mem, t0)[self.first]
+        else:  # cache.layers: the main pass's own states at or below the first retrieving layer
+            r_cur = self._pass(tokens, st.mem, t0)[self.key_layer]
         selected: list[list[tuple[int, float]]] = [[] for _ in range(L)]
         retrieved = None
         if st.slots and m.top_k > 0:

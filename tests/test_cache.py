@@ -313,18 +313,23 @@ def test_cosine_token_max_scores_a_token_s_own_row_highest_by_hand():
     torch.testing.assert_close(shifted.score(q, rows, lead=lead), torch.tensor([[[0.0, 1.0]]]))
 
 
-def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropout():
+@pytest.mark.parametrize("layers", [None, 1], ids=["every_layer", "top_layer"])
+def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropout(layers):
     """cache.key_layer=0 with cosine scores in train mode with dropout: the query pass and the
     cached rows hold the embedding before dropout (docs/method.md §3, "Keys and queries at layer
     0"), so the segment X seen again scores exactly 1 against X's own slot at every token whose
     n-gram and following row lie inside it. The scores the model computes must equal a naive
-    float64 n-gram cosine over the plain embeddings word_emb(tokens), one term at a time."""
+    float64 n-gram cosine over the plain embeddings word_emb(tokens), one term at a time. With
+    retrieval in the top layer only (``cache.layers=1`` of 2) the slots store layer 0 apart and the
+    query is the shared lower layers' layer 0."""
     torch.manual_seed(0)
     w, L, n_voc = 3, 6, 50
     model = tiny_model(
         n_voc,
         **{
             "model.name": "crtn",
+            "model.n_layer": 2,
+            "cache.layers": layers,
             "model.tgt_len": L,
             "model.mem_len": L,
             "model.dropout": 0.3,
@@ -358,6 +363,7 @@ def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropo
                     torch.testing.assert_close(got[b, j, s], want, rtol=0, atol=1e-12)
     own = got[:, w - 1 : L - 1, 0]  # the n-gram and the row after it inside X
     torch.testing.assert_close(own, torch.ones_like(own), rtol=0, atol=1e-12)
+    assert state.cache.values.shape[0] == (3 if layers is None else 2)  # layers 0..2, or 0 and 1
 
 
 @pytest.mark.parametrize("alpha_norm", ["topk", "original"])

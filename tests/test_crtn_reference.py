@@ -321,12 +321,27 @@ def test_more_retrieving_layers_than_the_model_has_is_every_layer():
         tiny_model(V, **{"model.name": "crtn", "cache.layers": 0})
 
 
-# cache.layers and cache.key_layer on a 3-layer model: every valid pairing (crtn/model/__init__.py
-# _validate_layers: with cache.layers < n_layer the keys come from layer n_layer - cache.layers only;
-# cache.layers = n_layer is "all layers" and takes any key layer), with the default summary and token_max
+def test_a_key_layer_above_the_first_retrieving_layers_input_is_refused():
+    """With cache.layers below the model's depth the keys come from the shared lower layers: the
+    first retrieving layer's input (layer 1 of 3 at cache.layers=2) or below; above it, the
+    key would need a pass of retrieving layers without the cache, and resolution says so."""
+    with pytest.raises(
+        ConfigError, match=r"^cache.key_layer=2: with cache.layers=2 keys and queries come from layer 1 "
+    ):
+        tiny_model(V, **{"model.name": "crtn", "model.n_layer": 3, "cache.layers": 2, "cache.key_layer": 2})
+    assert tiny_model(
+        V, **{"model.name": "crtn", "model.n_layer": 3, "cache.layers": 2, "cache.key_layer": 0}
+    ).key_apart
+
+
+# cache.layers and cache.key_layer on a 3-layer model: every valid pairing (crtn/model/crtn.py
+# _resolve_layers: with cache.layers < n_layer the keys come from layer n_layer - cache.layers or one
+# below it, stored apart; cache.layers = n_layer is "all layers" and takes any key layer), with the
+# default summary and token_max
 LAYER_KEYS = [
     (2, None),
     (2, 1),
+    (2, 0),
     (3, None),
     (3, 0),
     (3, 1),
@@ -354,6 +369,7 @@ def test_cache_layers_and_key_layer_of_three_layers_match_naive_reference(layers
             "summary.name": summary,
         },
     )
-    # slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs
-    stored = 4 if layers in (None, 3) else layers
+    # slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs,
+    # after the key layer's where it lies below them
+    stored = 4 if layers in (None, 3) else layers + (key_layer is not None and key_layer < 3 - layers)
     assert state.cache.values.shape[0] == stored

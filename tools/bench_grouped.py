@@ -64,7 +64,8 @@ from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 #: ``crtn-bench``'s table rows, and more: ``default_all`` (the default with alpha below 1),
-#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval),
+#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval in every
+#: layer), ``ngram8_layers2`` (the same in the default's two retrieving layers, keys at layer 0),
 #: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
 #: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
 #: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32)
@@ -83,6 +84,14 @@ ROWS = {
     "ngram8": [
         "model=crtn",
         "cache.layers=null",
+        "cache.key_layer=0",
+        "summary.ngram=8",
+        "summary.cosine=true",
+        "cache.top_k=1",
+        "cache.alpha_norm=topk",
+    ],
+    "ngram8_layers2": [
+        "model=crtn",
         "cache.key_layer=0",
         "summary.ngram=8",
         "summary.cosine=true",

@@ -98,6 +98,11 @@ class CRTN(TransformerLM):
         self.retrieve_from = m.n_layer - c.layers
         # the hidden layer (0: embeddings .. n: top) of keys and queries; None for query=gate
         self.key_layer = c.key_layer
+        # a key layer below the first retrieving layer's input is stored in each slot ahead of the
+        # retrieving layers' inputs (docs/method.md §3, "Retrieval in the upper layers only"), so
+        # retrieving layer i reads the cache's stored layer i - value_base
+        self.key_apart = c.enabled and c.key_layer is not None and c.key_layer < self.retrieve_from
+        self.value_base = self.retrieve_from - int(self.key_apart)
         # keys and queries at layer 0 are the embeddings before dropout, so that in training a
         # token's own n-gram matches its cached copy exactly (docs/method.md §3, "Keys and
         # queries at layer 0"); layer 0 still reads the dropped-out embedding
@@ -180,7 +185,7 @@ class CRTN(TransformerLM):
             c.n_slot,
             batch_size,
             self.summary,
-            key_layer=-1 if self.key_layer is None else self.key_layer - self.retrieve_from,
+            key_layer=self._stored_key_layer(),
             dtype=c.dtype,
             backend=c.backend,
             faiss_index=c.faiss_index,
@@ -272,8 +277,12 @@ class CRTN(TransformerLM):
         over = cat.shape[2] - self.mem_len
         if over > 0 and over == seg and L == seg:
             r = self.retrieve_from
-            # every layer's states (paper); with cache.layers only those the retrieving layers read
+            # every layer's states (paper); with cache.layers only those the retrieving layers read,
+            # after the key layer's when that lies below them
             slot_states = cat[:, :, :over] if r == 0 else cat[r : self.n_layer, :, :over]
+            if self.key_apart:
+                k = self.key_layer
+                slot_states = torch.cat([cat[k : k + 1, :, :over], slot_states])
             cache.insert(slot_states, self.slot_key(slot_states), state.pos - (cat.shape[2] - L))
         return CRTNState(
             mem=new_mem,
@@ -286,14 +295,22 @@ class CRTN(TransformerLM):
 
     def slot_key(self, stored: Tensor) -> Tensor | None:
         """The key of a new slot from the states the cache stores of it, [n_stored, B, Ls, d]
-        (layers 0..n, or with ``cache.layers`` the retrieving layers' inputs): the summary of
+        (layers 0..n, or with ``cache.layers`` the retrieving layers' inputs, after the key
+        layer's where it lies below them): the summary of
         the key layer [B, d_key]; for a gate the block keys of every retrieving layer's input
         [B, n_ret, d] (``gate.py``); None when the key is a view of the stored states."""
         if self.query.in_attention:
             first = self.layers[self.retrieve_from].dec_attn
             n_ret = self.n_layer - self.retrieve_from
             return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
-        return self.summary.stored_key(stored[self.key_layer - self.retrieve_from])
+        return self.summary.stored_key(stored[self._stored_key_layer()])
+
+    def _stored_key_layer(self) -> int:
+        """Where the key layer lies among the layers a slot stores (:meth:`_renew`): first when
+        stored apart, else at its own index among the retrieving layers' inputs (-1: the top)."""
+        if self.key_apart:
+            return 0
+        return -1 if self.key_layer is None else self.key_layer - self.retrieve_from
 
     def _core_top(
         self,
@@ -326,14 +343,15 @@ class CRTN(TransformerLM):
 def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> CacheSpec:
     """``cache.layers`` (None: all n; a number: the top min(layers, n) layers, so a model of no
     more layers than that retrieves in every one) and ``cache.key_layer`` (None: the top, or
-    with fewer layers the input of the first retrieving one, the only valid choice then; left
-    None for selection inside attention, ``gate``, where every retrieving layer scores with its
-    own input), checked and filled (docs/method.md §3, "Retrieval in the upper layers only").
+    with fewer layers the input of the first retrieving one; with fewer layers a key layer at or
+    below that input, which the shared lower layers compute before retrieval; left None for
+    selection inside attention, ``gate``, where every retrieving layer scores with its own
+    input), checked and filled (docs/method.md §3, "Retrieval in the upper layers only").
 
     Raises:
         ConfigError: layers below 1; fewer layers than n without one segment of memory for the
-            shared lower layers; a key layer outside 0..n, or another than the first retrieving
-            layer's input.
+            shared lower layers; a key layer outside 0..n, or with fewer layers one above the
+            first retrieving layer's input.
     """
     n = model.n_layer
     if cache.layers is not None and cache.layers < 1:
@@ -346,11 +364,11 @@ def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> C
                 f"cache.layers={layers} needs model.mem_len >= model.tgt_len (the shared lower "
                 f"layers' memory); got mem_len={model.mem_len} (cache.layers=null: every layer retrieves)"
             )
-        if cache.key_layer not in (None, below):
+        if cache.key_layer is not None and cache.key_layer > below:
             raise ConfigError(
                 f"cache.key_layer={cache.key_layer}: with cache.layers={layers} keys and queries come "
-                f"from layer {below}, the input of the first retrieving layer (leave key_layer null, "
-                "or cache.layers=null for keys at another layer)"
+                f"from layer {below} (the input of the first retrieving layer) or one below it "
+                "(leave key_layer null, or cache.layers=null for keys at a higher layer)"
             )
     if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
         raise ConfigError(f"cache.key_layer={cache.key_layer} must be in 0..model.n_layer={n}")

@@ -50,8 +50,9 @@ class CacheContext:
         weighted: whether alpha scales the values (``cache.weighted``).
         age: distance in tokens from the current segment's first token to the first token of
             each retrieved segment, ``index``'s shape (for ``cache.pos=real``), else None.
-        first_layer: the layer whose input ``values[0]`` holds (``cache.layers``: the cache
-            stores only what the retrieving layers read); layer i reads ``values[i - first_layer]``.
+        first_layer: layer i reads ``values[i - first_layer]``: the layer whose input
+            ``values[0]`` holds (``cache.layers``: the cache stores only what the retrieving layers
+            read), one less where a key layer below them is stored first (``CRTN.value_base``).
         gate: selection inside attention (:class:`crtn.model.gate.Gate`): each retrieving layer
             selects for itself and reads :meth:`selected`; None for a query strategy's selection.
         gate_k: segments a gate selects per token (min(top_k, filled slots)).

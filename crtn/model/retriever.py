@@ -85,8 +85,9 @@ def seg_len(model: CRTN, cache: SegmentCache) -> int:
 class QueryPass:
     """The CRTN paper's retrieval (docs/method.md §3 steps 1-2): a query pass over X_t gives R_cur,
     the query strategy builds each token's query from it (with its summary), and the cache selects
-    the top-k slots and their weights alpha. With ``cache.layers`` R_cur is the input of the first
-    retrieving layer, ``below[-1]`` (no separate pass).
+    the top-k slots and their weights alpha. With ``cache.layers`` R_cur is the key layer's state
+    from the shared lower layers, ``below[key_layer]`` (no separate pass): by default the input of
+    the first retrieving layer, ``below[-1]``.
 
     Gradients reach the query only through alpha (keys are gradient-stopped), so the pass needs
     none unless the values are alpha-weighted. ``query.detach`` stops them at R_cur: the query
@@ -111,7 +112,7 @@ class QueryPass:
             selection.alpha,
             weighted=model.weighted,
             age=selection.age,
-            first_layer=model.retrieve_from,
+            first_layer=model.value_base,
             product_dtype=model.product_dtype,
         )
         real_pos = None
@@ -144,7 +145,7 @@ class QueryPass:
         r_cur, selection = None, None
         with torch.set_grad_enabled(grad):
             qmem = _query_memory(model, state, seg)
-            shared = None if below is None else below[-1]
+            shared = None if below is None else below[model.key_layer]
             if shared is not None:
                 r_cur = shared.detach() if model.detach else shared
             with torch.set_grad_enabled(grad and not model.detach):
@@ -192,7 +193,7 @@ class InAttention:
             None,
             None,
             weighted=model.weighted,
-            first_layer=model.retrieve_from,
+            first_layer=model.value_base,
             gate=gate,
             gate_k=min(c.top_k, cache.n_valid),
             product_dtype=model.product_dtype,
