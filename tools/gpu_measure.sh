@@ -10,8 +10,9 @@
 #
 # 1. the cost table at the standard sizes with 64 streams (crtn-bench's table section): the default
 #    model, the CRTN authors' model, selection inside attention with the best-row key (in every layer
-#    and in the top two), exact 8-gram retrieval; float32 with TF32 products;
-# 2. where the default's and exact 8-gram retrieval's steps spend their time against
+#    and in the top two), exact 8-gram retrieval (in every layer and in the default's two); float32
+#    with TF32 products;
+# 2. where the default's and exact 8-gram retrieval's (both forms) steps spend their time against
 #    Transformer-XL's (tools/bench_grouped.py --profile: operators by CPU and by GPU time, and how
 #    much of a step the GPU is busy);
 # 3. character-level WikiText-2 at wt2_char_large's size with the same wall-clock budget for
@@ -29,10 +30,11 @@ export PYTHONUNBUFFERED=1
 # TF32 products in the apps (which leave torch's default, float32); not for the agreement checks of
 # tools/gpu_attention_check.py, which turn TF32 off themselves and would be overridden by this
 TF32=(env TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
-EXACT="cache.layers=null cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
+EXACT2="cache.key_layer=0 summary.ngram=8 summary.cosine=true cache.top_k=1 cache.alpha_norm=topk"
+EXACT="cache.layers=null $EXACT2"
 ROWS=(bench.sections=[table] bench.device="$DEVICE" bench.batch=64 bench.rounds=5
-    "+bench.rows.exact8=['${EXACT// /\',\'}']")
-FP32=("bench.only=[default,crtn_original,gate_token_max,gate_token_max_layers2,exact8]")
+    "+bench.rows.exact8=['${EXACT// /\',\'}']" "+bench.rows.exact8_layers2=['${EXACT2// /\',\'}']")
+FP32=("bench.only=[default,crtn_original,gate_token_max,gate_token_max_layers2,exact8,exact8_layers2]")
 BF16=("bench.only=[default,crtn_original,exact8]")
 STEPS=" ${STEPS:-bench_fp32 profile equal_time bench_bf16 flex_check compiled_check} "
 # wanted NAME: whether STEPS names NAME
@@ -54,7 +56,7 @@ step bench_fp32 90 "${TF32[@]}" python3 -m crtn.bench "${ROWS[@]}" "${FP32[@]}" 
 BEFORE_ARGS=()
 [[ -n ${BEFORE:-} ]] && BEFORE_ARGS=(--before "$BEFORE") && PROFILE_LIMIT=90
 step profile "${PROFILE_LIMIT:-50}" "${TF32[@]}" python3 tools/bench_grouped.py --device "$DEVICE" --batch 64 \
-    --rows default,ngram8 --rounds 5 --profile "${BEFORE_ARGS[@]}"
+    --rows default,ngram8,ngram8_layers2 --rounds 5 --profile "${BEFORE_ARGS[@]}"
 RUNS=${RUNS:-/tmp/equal_time}
 if wanted equal_time; then
     # shellcheck disable=SC2086

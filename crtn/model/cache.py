@@ -1,8 +1,10 @@
 """The key-value cache of past segments and top-k retrieval (docs/method.md §3).
 
 Per batch row the cache holds N slots. Slot i stores one past segment of Ls tokens:
-its hidden states at every layer 0..n (the value V_i), its key k_i = summary(top layer
-of V_i) and the stream position of its first token.
+its hidden states at every layer 0..n (the value V_i; with ``cache.layers`` only the layers
+the model stores: the retrieving layers' inputs, after the key layer's where it lies below
+them, ``CRTN._renew``), its key k_i = summary(key layer of V_i) and the stream position of
+its first token.
 All of it is gradient-stopped.
 
 Storage is a ring: ``values`` is allocated once, [n+1, B*N, Ls, d] (zeros until a slot is
@@ -231,7 +233,8 @@ class SegmentCache:
         intact; the model commits before it reads the cache.
 
         Args:
-            states: [n+1, B, Ls, d] hidden states of the segment at layers 0..n (detached).
+            states: [n+1, B, Ls, d] hidden states of the segment at layers 0..n (detached), or
+                at the layers the model stores (module docstring).
             key: [B, d_key] its key ([B, n_ret, d] block keys for selection inside attention,
                 ``gate.py``), or None when the summary's key is a view of the top layer
                 (``summary.key_is_view``).

@@ -367,7 +367,7 @@ def _resolve_layers(cache: CacheSpec, model: ModelSpec, gate: bool = False) -> C
         if cache.key_layer is not None and cache.key_layer > below:
             raise ConfigError(
                 f"cache.key_layer={cache.key_layer}: with cache.layers={layers} keys and queries come "
-                f"from layer {below} (the input of the first retrieving layer) or one below it "
+                f"from layer {below} (the input of the first retrieving layer) or a layer below it "
                 "(leave key_layer null, or cache.layers=null for keys at a higher layer)"
             )
     if cache.key_layer is not None and not 0 <= cache.key_layer <= n:
