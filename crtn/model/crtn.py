@@ -103,6 +103,10 @@ class CRTN(TransformerLM):
         # retrieving layer i reads the cache's stored layer i - value_base
         self.key_apart = c.enabled and c.key_layer is not None and c.key_layer < self.retrieve_from
         self.value_base = self.retrieve_from - int(self.key_apart)
+        # where the key layer lies among the layers a slot stores (-1: the top; _renew)
+        self.key_index = (
+            0 if self.key_apart else -1 if c.key_layer is None else c.key_layer - self.retrieve_from
+        )
         # keys and queries at layer 0 are the embeddings before dropout, so that in training a
         # token's own n-gram matches its cached copy exactly (docs/method.md §3, "Keys and
         # queries at layer 0"); layer 0 still reads the dropped-out embedding
@@ -185,7 +189,7 @@ class CRTN(TransformerLM):
             c.n_slot,
             batch_size,
             self.summary,
-            key_layer=self._stored_key_layer(),
+            key_layer=self.key_index,
             dtype=c.dtype,
             backend=c.backend,
             faiss_index=c.faiss_index,
@@ -303,14 +307,7 @@ class CRTN(TransformerLM):
             first = self.layers[self.retrieve_from].dec_attn
             n_ret = self.n_layer - self.retrieve_from
             return block_keys(stored[:n_ret], self.summary, first.pre_lnorm, first.layer_norm.eps)
-        return self.summary.stored_key(stored[self._stored_key_layer()])
-
-    def _stored_key_layer(self) -> int:
-        """Where the key layer lies among the layers a slot stores (:meth:`_renew`): first when
-        stored apart, else at its own index among the retrieving layers' inputs (-1: the top)."""
-        if self.key_apart:
-            return 0
-        return -1 if self.key_layer is None else self.key_layer - self.retrieve_from
+        return self.summary.stored_key(stored[self.key_index])
 
     def _core_top(
         self,
