@@ -202,3 +202,7 @@ def test_the_sampler_covers_the_option_space():
     assert any(s.model.mem_len == 0 and s.cache.enabled for s in crtn)
     assert any(s.cache.key_layer == 0 for s in crtn)
     assert any(s.cache.layers is not None and s.cache.layers < s.model.n_layer for s in crtn)
+    # a key layer below the first retrieving layer's input, stored in each slot apart
+    assert any(
+        s.cache.key_layer is not None and s.cache.key_layer < s.model.n_layer - s.cache.layers for s in crtn
+    )
