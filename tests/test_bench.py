@@ -12,7 +12,7 @@ import torch
 
 from crtn.app_config import BENCH_SMOKE, BenchSpec
 from crtn.bench import main
-from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_spec, step_peak
+from crtn.bench.cases import REAL_FILL_SLOTS, Stepper, make_case, model_spec, step_flops, step_peak
 from crtn.bench.compare import compose_bench, compose_rows
 from crtn.bench.report import check_targets
 from crtn.config import spec_dict
@@ -123,6 +123,7 @@ def test_config_section_times_the_model_crtn_train_composes(smoke):
         assert r["tokens_per_s"] * r["step_ms"] / 1000 == pytest.approx(2 * 8)
     ratios = cfg["ratios"]
     assert ratios["step_ratio"] == pytest.approx(model["step_ms"] / txl["step_ms"])
+    assert ratios["flop_ratio"] == pytest.approx(model["gflop"] / txl["gflop"])
     assert ratios["range_ratio"] == pytest.approx(model["tokens_per_s"] / long["tokens_per_s"])
     assert ratios["eval_ratio"] == pytest.approx(cfg["eval"][0]["step_ms"] / cfg["eval"][1]["step_ms"])
     assert ratios["range_tokens"] == 72 and ratios["memory_ratio"] is None  # smoke: no profiler
@@ -193,12 +194,14 @@ def test_table_rows_are_composed_from_yaml(smoke):
     for name in DEFAULT_ROWS[1:]:
         r = rows[name]
         assert r["step_ratio"] == pytest.approx(r["step_ms"] / rows["txl"]["step_ms"])
+        # every row with a cache retrieves somewhere: more products than Transformer-XL's
+        assert r["flop_ratio"] == pytest.approx(r["gflop"] / rows["txl"]["gflop"]) and r["flop_ratio"] > 1
         assert r["range_tokens"] == 72 and r["range_ratio"] > 0 and r["eval_ratio"] > 0
         assert r["scaling_ratio"] > 0 and r["step_ms_large"] > 0
     assert [r["spec"]["model"]["mem_len"] for r in t["range_references"]] == [72]
     assert (t["n_slot"], t["n_slot_large"]) == (8, 80)
     assert (
-        "| row | overrides | step ms | step / txl | memory / txl | tokens/s / txl(72) | step N=80 / N=8 |"
+        "| row | overrides | step ms | step / txl | products / txl | memory / txl | tokens/s / txl(72) |"
         in md
     )
 
@@ -367,3 +370,66 @@ def test_step_peak_counts_each_allocation_once_by_hand():
         del e
 
     assert step_peak(free_then_allocate, torch.device("cpu")) == 4_000_000
+
+
+class _OutProduct(torch.autograd.Function):
+    """a @ b through ``torch.bmm(..., out=)`` inside an autograd function, as the grouped
+    products of crtn/model/grouped.py are computed; its backward is one more such product."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(b)
+        return torch.bmm(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (b,) = ctx.saved_tensors
+        return torch.bmm(
+            grad, b.transpose(1, 2), out=grad.new_empty(grad.shape[0], grad.shape[1], b.shape[1])
+        ), None
+
+
+def test_step_flops_counts_products_by_hand():
+    """A linear layer on x [8, 16] -> [8, 32], forward and backward: 2·8·16·32 = 8,192 FLOPs for
+    the output, as many for each of the gradients of x and of the weight; a product of [3, 5, 7]
+    by [3, 7, 2] called with ``out=`` inside an autograd function: 2·3·5·7·2 = 420 FLOPs forward
+    and 420 for its backward's one product. Element-wise work (the ReLU, the sum) counts
+    nothing."""
+    x = torch.randn(8, 16, requires_grad=True)
+    lin = torch.nn.Linear(16, 32, bias=False)
+    assert step_flops(lambda: torch.relu(lin(x)).sum().backward()) == 3 * 8_192
+    a = torch.randn(3, 5, 7, requires_grad=True)
+    b = torch.randn(3, 7, 2)
+    assert step_flops(lambda: _OutProduct.apply(a, b).sum().backward()) == 2 * 420
+
+
+def test_step_flops_of_a_transformer_xl_step_by_hand():
+    """One training step of Transformer-XL at the smoke sizes (2 layers, d 32, 2 heads of 16,
+    d_inner 64, L = M = 8, batch 2, vocabulary 64) against its products counted by hand
+    (docs/method.md §1): per layer, forward, W_q and W_{k,E}, W_v of the segment, W_{k,E}, W_v of
+    the memory, W_{k,R} of the M + L position embeddings, the three attention products (content
+    and position scores, the mixing of values), W_o and the two feed-forward maps; the output
+    layer; the backward pass twice the forward, less the input gradients that are not taken (the
+    memory and the position embeddings are gradient-stopped)."""
+    s = replace(BenchSpec(), **BENCH_SMOKE)
+    B, L, M, d, H, dh, di, V = (
+        s.batch,
+        s.tgt_len,
+        s.tgt_len,
+        s.d_model,
+        s.n_head,
+        s.d_head,
+        s.d_inner,
+        s.vocab,
+    )
+    case = make_case("txl", model_spec(s, "txl", M), s, torch.device("cpu"))
+    stepper = Stepper(torch.device("cpu"), amp=False)
+    stepper.fill(case)
+    T, R, hd = B * L, M + L, H * dh
+    q, kv, mem_kv, r = 2 * T * d * hd, 2 * T * d * 2 * hd, 2 * B * M * d * 2 * hd, 2 * R * d * hd
+    attention = 3 * 2 * B * H * L * (M + L) * dh
+    o, ff = 2 * T * hd * d, 2 * 2 * T * d * di
+    forward = q + kv + mem_kv + r + attention + o + ff
+    layer = 3 * forward - mem_kv - r  # no gradient into the memory or the position embeddings
+    output = 3 * 2 * T * d * V
+    assert step_flops(lambda: stepper(case)) == s.n_layer * layer + output

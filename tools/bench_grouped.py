@@ -19,7 +19,8 @@ state. The process flushes denormal floats to zero and keeps freed memory as the
 
 Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
 (``bench.*``, crtn/config.py): memory and cache filled by real steps as in ``crtn-bench``, then
-``--rounds`` timed training steps of each case in turn (median). ``--profile`` prints the
+``--rounds`` timed training steps of each case in turn (median), then the FLOPs of one more
+step's matrix products of each (``crtn.bench.cases.step_flops``). ``--profile`` prints the
 ``torch.profiler`` top operators (self CPU time) of 3 steps per case and, per step, the
 operators where each case spends more than Transformer-XL (:func:`difference`); with
 ``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
@@ -54,7 +55,7 @@ import crtn.model.gate as gate
 import crtn.model.summary as summary
 from crtn.app_config import BenchSpec
 from crtn.bench import bench_device
-from crtn.bench.cases import Stepper, make_case, step_peak, sync
+from crtn.bench.cases import Stepper, make_case, step_flops, step_peak, sync
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
 from crtn.model.grouped import SlotGroups
@@ -262,6 +263,12 @@ def main() -> None:
     for c in cases:
         m = statistics.median(c.times)
         print(f"{c.name:24s} {1000 * m:9.1f} ms  {m / ref:5.2f}x txl", flush=True)
+    for c in cases:  # the arithmetic beside the time: one more step of each, counted
+        c.flops = step_flops(lambda c=c: step(c))
+        print(
+            f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / cases[0].flops:5.2f}x txl",
+            flush=True,
+        )
     if a.peak:
         for c in cases:
             peak = step_peak(lambda c=c: step(c), dev)

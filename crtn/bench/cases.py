@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from crtn.app_config import BenchSpec
 from crtn.config import spec_dict, train_config
@@ -61,6 +62,7 @@ class Case:
     times: list[float] = field(default_factory=list)
     peak: int | None = None
     static: int | None = None
+    flops: int | None = None
 
 
 def model_cfg(s: BenchSpec, name: str, mem_len: int, **kw: Any):
@@ -236,10 +238,25 @@ def step_peak(fn: Callable[[], None], device: torch.device) -> int:
     return peak
 
 
+def step_flops(fn: Callable[[], None]) -> int:
+    """Floating-point operations of the matrix products that ``fn()`` runs (``mm``, ``bmm``,
+    ``addmm``, ``baddbmm``, convolutions and fused attention kernels, in whatever autograd
+    function or ``out=`` form they are called, forward and backward), two per multiply-add, as
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them from their shapes: the arithmetic
+    a step executes, padding included (the grouped products' padded tiles, ``grouped.py``).
+    Element-wise operations, gathers and copies are not counted. Their ratio between two models is
+    the step ratio both would have at the same rate of products (docs/results.md, "Arithmetic of a
+    step")."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 def time_cases(cases: list[Case], b: Bench, memory: bool = True) -> None:
     """Fill and warm up every case, then time them in alternation (``rounds`` rounds, one step of
     each per round, the device synchronised around each step), then measure each one's peak step
-    memory (with ``memory`` and ``bench.memory``) and persistent state."""
+    memory (with ``memory`` and ``bench.memory``), the FLOPs of one step's matrix products
+    (:func:`step_flops`) and persistent state."""
     for c in cases:
         b.stepper.fill(c)
         for _ in range(b.s.warmup):
@@ -254,6 +271,7 @@ def time_cases(cases: list[Case], b: Bench, memory: bool = True) -> None:
     for c in cases:
         if memory and b.s.memory:
             c.peak = step_peak(lambda c=c: b.stepper(c), b.device)
+        c.flops = step_flops(lambda c=c: b.stepper(c))
         c.static = state_bytes(c)
 
 
@@ -268,12 +286,13 @@ def tokens_per_s(c: Case) -> float:
 
 
 def row(c: Case, ref: Case | None = None) -> dict[str, Any]:
-    """A case's measurements (ms, tokens/s, MB; with ``ref`` its step time / ``ref``'s) and its
-    resolved model spec (``spec``: what was really built)."""
+    """A case's measurements (ms, tokens/s, GFLOP of a step's matrix products, MB; with ``ref``
+    its step time / ``ref``'s) and its resolved model spec (``spec``: what was really built)."""
     r = {
         "config": c.name,
         "step_ms": 1000 * median(c),
         "tokens_per_s": tokens_per_s(c),
+        "gflop": None if c.flops is None else c.flops / 1e9,
         "peak_step_mb": None if c.peak is None else c.peak / 2**20,
         "state_mb": None if c.static is None else c.static / 2**20,
     }

@@ -119,10 +119,10 @@ def compose_rows(s: BenchSpec) -> tuple[Row, ...]:
 
 # ================================================================== config
 def bench_config(b: Bench) -> dict[str, Any]:
-    """The composed model against Transformer-XL of the same sizes (training: step time, peak step
-    memory, tokens/s; evaluation: step time) and, with a cache, against Transformer-XL of the same
-    range (tokens/s). ``ratios`` holds the model's: ``step_ratio``, ``memory_ratio``,
-    ``range_ratio``, ``eval_ratio``."""
+    """The composed model against Transformer-XL of the same sizes (training: step time, FLOPs of
+    the step's matrix products, peak step memory, tokens/s; evaluation: step time) and, with a
+    cache, against Transformer-XL of the same range (tokens/s). ``ratios`` holds the model's:
+    ``step_ratio``, ``flop_ratio``, ``memory_ratio``, ``range_ratio``, ``eval_ratio``."""
     spec, s = b.model, b.s
     assert spec is not None, "the config section needs the composed model (Bench.model)"
     command = b.command or "the defaults"
@@ -140,7 +140,11 @@ def bench_config(b: Bench) -> dict[str, Any]:
     cases = [make_case(name, sp, s, device=b.device) for name, sp, _ in named]
     time_cases(cases, b)
     model, ref = cases[0], cases[1]
-    ratios = {"step_ratio": median(model) / median(ref), "memory_ratio": _ratio(model.peak, ref.peak)}
+    ratios = {
+        "step_ratio": median(model) / median(ref),
+        "flop_ratio": _ratio(model.flops, ref.flops),
+        "memory_ratio": _ratio(model.peak, ref.peak),
+    }
     if len(cases) > 2:
         ratios["range_ratio"] = tps(model) / tps(cases[2])
         ratios["range_tokens"] = same_range(spec)
@@ -172,7 +176,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ================================================================== table
 def bench_table(b: Bench) -> dict[str, Any]:
     """Every row of ``bench.rows`` against the reference row (``bench.reference``): training step
-    time and peak step memory, tokens/s against Transformer-XL of the row's range, step time at
+    time, FLOPs of the step's matrix products and peak step memory, tokens/s against Transformer-XL of the row's range, step time at
     ``n_slot_large`` over step time at ``n_slot`` (same row), evaluation step time."""
     s = b.s
     ref = next(r for r in b.rows if r.name == s.reference)
@@ -212,9 +216,15 @@ def bench_table(b: Bench) -> dict[str, Any]:
 
 
 def _train_columns(r: Row, c: Case, ref: Case, refs: dict[int, Case]) -> dict[str, Any]:
-    """A row's training columns: its measurements and spec, ratios to the reference, and (with a
+    """A row's training columns: its measurements and spec, ratios to the reference (step time,
+    matrix-product FLOPs, peak memory), and (with a
     cache) tokens/s over that of Transformer-XL of the same range."""
-    out = {**row(c, ref), "step_ratio": median(c) / median(ref), "memory_ratio": _ratio(c.peak, ref.peak)}
+    out = {
+        **row(c, ref),
+        "step_ratio": median(c) / median(ref),
+        "flop_ratio": _ratio(c.flops, ref.flops),
+        "memory_ratio": _ratio(c.peak, ref.peak),
+    }
     del out["time_ratio_vs_ref"], out["config"]
     if has_cache(r.spec):
         n = same_range(r.spec)

@@ -77,7 +77,16 @@ def _table(lines: list[str], rows: list[dict], cols: list[str], ratios: tuple[st
     lines.append("")
 
 
-COLS = ["config", "step_ms", "tokens_per_s", "time_ratio_vs_ref", "peak_step_mb", "state_mb", "measures"]
+COLS = [
+    "config",
+    "step_ms",
+    "tokens_per_s",
+    "time_ratio_vs_ref",
+    "gflop",
+    "peak_step_mb",
+    "state_mb",
+    "measures",
+]
 
 
 def _config(lines: list[str], cfg: dict[str, Any]) -> None:
@@ -94,6 +103,8 @@ def _config(lines: list[str], cfg: dict[str, Any]) -> None:
     _table(lines, cfg["eval"], COLS)
     r = cfg["ratios"]
     parts = [f"training step {r['step_ratio']:.2f}x txl's"]
+    if r.get("flop_ratio") is not None:
+        parts.append(f"its matrix products {r['flop_ratio']:.2f}x txl's FLOPs")
     if r["memory_ratio"] is not None:
         parts.append(f"peak step memory {r['memory_ratio']:.2f}x")
     if "range_ratio" in r:
@@ -112,13 +123,14 @@ def _cost_table(lines: list[str], t: dict[str, Any]) -> None:
         "overrides": "overrides",
         "step_ms": "step ms",
         "step_ratio": f"step / {ref}",
+        "flop_ratio": f"products / {ref}",
         "memory_ratio": f"memory / {ref}",
         "range_ratio": f"tokens/s / {span}",
         "scaling_ratio": f"step N={n1} / N={n0}",
         "eval_ratio": f"eval step / {ref}",
     }
     rows = [{**r, "overrides": " ".join(f"`{o}`" for o in r["overrides"])} for r in t["rows"]]
-    ratios = ("step_ratio", "memory_ratio", "range_ratio", "scaling_ratio", "eval_ratio")
+    ratios = ("step_ratio", "flop_ratio", "memory_ratio", "range_ratio", "scaling_ratio", "eval_ratio")
     lines.append("| " + " | ".join(head.values()) + " |")
     lines.append("|" + "---|" * len(head))
     for r in rows:
