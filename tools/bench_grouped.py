@@ -69,7 +69,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: layer), ``ngram8_layers2`` (the same in the default's two retrieving layers, keys at layer 0),
 #: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
 #: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
-#: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32)
+#: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32) and
+#: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
@@ -99,6 +100,7 @@ ROWS = {
         "cache.top_k=1",
         "cache.alpha_norm=topk",
     ],
+    "crtn_original_detach": ["model=crtn_original", "query.detach=true"],
 }
 
 
