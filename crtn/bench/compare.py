@@ -176,8 +176,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ================================================================== table
 def bench_table(b: Bench) -> dict[str, Any]:
     """Every row of ``bench.rows`` against the reference row (``bench.reference``): training step
-    time, FLOPs of the step's matrix products and peak step memory, tokens/s against Transformer-XL of the row's range, step time at
-    ``n_slot_large`` over step time at ``n_slot`` (same row), evaluation step time."""
+    time, FLOPs of the step's matrix products and peak step memory, tokens/s against
+    Transformer-XL of the row's range, step time at ``n_slot_large`` over step time at
+    ``n_slot`` (same row), evaluation step time."""
     s = b.s
     ref = next(r for r in b.rows if r.name == s.reference)
     out = {
@@ -217,8 +218,8 @@ def bench_table(b: Bench) -> dict[str, Any]:
 
 def _train_columns(r: Row, c: Case, ref: Case, refs: dict[int, Case]) -> dict[str, Any]:
     """A row's training columns: its measurements and spec, ratios to the reference (step time,
-    matrix-product FLOPs, peak memory), and (with a
-    cache) tokens/s over that of Transformer-XL of the same range."""
+    matrix-product FLOPs, peak memory), and (with a cache) tokens/s over that of Transformer-XL of
+    the same range."""
     out = {
         **row(c, ref),
         "step_ratio": median(c) / median(ref),
