@@ -412,16 +412,8 @@ def test_step_flops_of_a_transformer_xl_step_by_hand():
     layer; the backward pass twice the forward, less the input gradients that are not taken (the
     memory and the position embeddings are gradient-stopped)."""
     s = replace(BenchSpec(), **BENCH_SMOKE)
-    B, L, M, d, H, dh, di, V = (
-        s.batch,
-        s.tgt_len,
-        s.tgt_len,
-        s.d_model,
-        s.n_head,
-        s.d_head,
-        s.d_inner,
-        s.vocab,
-    )
+    B, L, d, H, dh, di, V = s.batch, s.tgt_len, s.d_model, s.n_head, s.d_head, s.d_inner, s.vocab
+    M = L  # the benchmark's mem_len = tgt_len
     case = make_case("txl", model_spec(s, "txl", M), s, torch.device("cpu"))
     stepper = Stepper(torch.device("cpu"), amp=False)
     stepper.fill(case)

@@ -252,11 +252,12 @@ def step_flops(fn: Callable[[], None]) -> int:
     return counter.get_total_flops()
 
 
-def time_cases(cases: list[Case], b: Bench, memory: bool = True) -> None:
+def time_cases(cases: list[Case], b: Bench, measure_step: bool = True) -> None:
     """Fill and warm up every case, then time them in alternation (``rounds`` rounds, one step of
-    each per round, the device synchronised around each step), then measure each one's peak step
-    memory (with ``memory`` and ``bench.memory``), the FLOPs of one step's matrix products
-    (:func:`step_flops`) and persistent state."""
+    each per round, the device synchronised around each step), then measure each one's persistent
+    state and, with ``measure_step`` (the training cases whose ratios report them), one more
+    step's peak memory (with ``bench.memory``) and the FLOPs of its matrix products
+    (:func:`step_flops`)."""
     for c in cases:
         b.stepper.fill(c)
         for _ in range(b.s.warmup):
@@ -269,9 +270,10 @@ def time_cases(cases: list[Case], b: Bench, memory: bool = True) -> None:
             sync(b.device)
             c.times.append(time.perf_counter() - t)
     for c in cases:
-        if memory and b.s.memory:
+        if measure_step and b.s.memory:
             c.peak = step_peak(lambda c=c: b.stepper(c), b.device)
-        c.flops = step_flops(lambda c=c: b.stepper(c))
+        if measure_step:
+            c.flops = step_flops(lambda c=c: b.stepper(c))
         c.static = state_bytes(c)
 
 

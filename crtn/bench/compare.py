@@ -152,7 +152,7 @@ def bench_config(b: Bench) -> dict[str, Any]:
     free(cases)
     b.log("config: evaluation")
     cases = [make_case(name, sp, s, device=b.device, train=False) for name, sp, _ in named[:2]]
-    time_cases(cases, b, memory=False)
+    time_cases(cases, b, measure_step=False)
     ratios["eval_ratio"] = median(cases[0]) / median(cases[1])
     evaluation = [
         {**row(c, cases[1]), "measures": f"evaluation step (no gradient); {what[c.name]}"} for c in cases
@@ -202,7 +202,7 @@ def bench_table(b: Bench) -> dict[str, Any]:
             out[r.name].update(_scaling_columns(r, b))
     b.log("table: evaluation")
     cases = {r.name: make_case(r.name, r.spec, s, device=b.device, train=False) for r in b.rows}
-    time_cases(list(cases.values()), b, memory=False)
+    time_cases(list(cases.values()), b, measure_step=False)
     for r in b.rows:
         c = cases[r.name]
         out[r.name].update(eval_step_ms=1000 * median(c), eval_ratio=median(c) / median(cases[ref.name]))
@@ -242,7 +242,7 @@ def _scaling_columns(r: Row, b: Bench) -> dict[str, Any]:
     cases = [
         make_case(f"{r.name} n_slot={n}", sp, b.s, device=b.device) for n, sp in ((n0, r.spec), (n1, r.large))
     ]
-    time_cases(cases, b, memory=False)
+    time_cases(cases, b, measure_step=False)
     out = {"step_ms_large": 1000 * median(cases[1]), "scaling_ratio": median(cases[1]) / median(cases[0])}
     free(cases)
     return out

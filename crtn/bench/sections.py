@@ -65,7 +65,7 @@ def strategy_cases(strategies: tuple[str, ...]) -> list[tuple[str, str, dict[str
 
 def bench_strategies(b: Bench) -> dict[str, Any]:
     """crtn (:func:`strategy_cases` of ``bench.strategies``) against txl(mem_len=L), training and
-    evaluation (step time ratios; peak memory in training)."""
+    evaluation (step time ratios; peak memory and matrix-product FLOPs in training)."""
     s = b.s
     L = s.tgt_len
     out: dict[str, Any] = {}
@@ -78,7 +78,7 @@ def bench_strategies(b: Bench) -> dict[str, Any]:
             cases.append(make_case(name, spec, s, device=b.device, train=train))
             what[name] = f"{measures}; n_slot={s.n_slot}, top_k={spec.cache.top_k}"
         b.log(f"strategies/{mode}: timing {len(cases)} configurations")
-        time_cases(cases, b, memory=train)
+        time_cases(cases, b, measure_step=train)
         out[mode] = [{**row(c, cases[0]), "measures": what[c.name]} for c in cases]
         free(cases)
     return out
@@ -117,7 +117,7 @@ def bench_scaling(b: Bench) -> dict[str, Any]:
             cfg = model_spec(s, "crtn", L, **{"query.strategy": q, "summary.name": summ, "cache.n_slot": n})
             cases.append(make_case(f"crtn({q}/{summ}, n_slot={n})", cfg, s, device=b.device))
         b.log(f"scaling {q}/{summ}: n_slot {list(s.slots_scaling)}")
-        time_cases(cases, b, memory=False)
+        time_cases(cases, b, measure_step=False)
         out[f"{q}/{summ}"] = [row(c, cases[0]) for c in cases]
         free(cases)
     return out
