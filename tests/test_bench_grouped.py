@@ -57,3 +57,29 @@ def test_an_older_row_match_without_cosine_gets_its_rows_normalised():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     plain = adapted(query, rows, lead, ngram=2, shift=1, cosine=False)
     assert not torch.allclose(plain, want)  # unnormalised rows of norm about 3 score otherwise
+
+
+def test_products_by_shape_counts_each_product_by_hand_and_sums_to_the_flop_counter():
+    """A linear layer's forward and backward and an ``out=`` batched product, listed by operator
+    and factor shapes with FLOPs counted by hand (2 m k n, times the batch), and summing to
+    ``step_flops``'s count of the same work (torch's FlopCounterMode: an independent count)."""
+    tool = _tool()
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    x = torch.randn(3, 8, generator=g, requires_grad=True)
+    a, b = torch.randn(2, 4, 6, generator=g), torch.randn(2, 6, 7, generator=g)
+    out = torch.empty(2, 4, 7)
+
+    def work():
+        lin(x).sum().backward()
+        torch.bmm(a, b, out=out)
+
+    table = tool.products_by_shape(work)
+    flops = {key: v[1] for key, v in table.items()}
+    calls = {key: v[0] for key, v in table.items()}
+    assert flops[("aten::addmm", "[3, 8] x [8, 5]")] == 2 * 3 * 8 * 5  # the forward
+    assert flops[("aten::bmm", "[2, 4, 6] x [2, 6, 7]")] == 2 * 2 * 4 * 6 * 7
+    assert calls[("aten::bmm", "[2, 4, 6] x [2, 6, 7]")] == 1
+    # the backward: input gradient [3, 5] x [5, 8] and weight gradient [5, 3] x [3, 8]
+    assert sum(flops[k] for k in flops if k[0] == "aten::mm") == 2 * (2 * 3 * 5 * 8)
+    assert sum(flops.values()) == tool.step_flops(work)

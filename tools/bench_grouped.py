@@ -15,6 +15,7 @@ state. The process flushes denormal floats to zero and keeps freed memory as the
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
     OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_token_max_layers2 --profile
+    OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows ngram8 --rounds 1 --products
     python tools/bench_grouped.py --device cuda --batch 64 --rows default --rounds 9 --profile
 
 Rows (``--rows``, comma-separated; :data:`ROWS`) at ``crtn-bench``'s standard sizes
@@ -25,7 +26,9 @@ step's matrix products of each (``crtn.bench.cases.step_flops``). ``--profile`` 
 operators where each case spends more than Transformer-XL (:func:`difference`); with
 ``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
 kernels' time over the step's wall time) and how many kernels a step launches; ``--peak``
-each case's peak step memory as ``crtn-bench`` measures it. Run it from a git checkout
+each case's peak step memory as ``crtn-bench`` measures it; ``--products`` each case's matrix
+products of one step by operator and factor shapes, with their FLOPs and rates
+(:func:`products_by_shape`: where the count above comes from). Run it from a git checkout
 (``--before`` reads the old module with ``git show``), or give ``--before`` a folder holding the
 old commit's files where the checkout has no history (a GPU machine's copy):
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import math
 import statistics
 import subprocess
 import sys
@@ -153,6 +157,41 @@ def old_module(commit: str, path: str):
 
 #: steps per case under the profiler (``--profile``)
 PROFILE_STEPS = 3
+#: the matrix products :func:`products_by_shape` lists: operator -> index of its first factor among
+#: its inputs (``addmm`` and ``baddbmm`` take the term they add first)
+PRODUCT_OPS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::baddbmm": 1}
+
+
+def products_by_shape(fn) -> dict[tuple[str, str], list[float]]:
+    """The matrix products that ``fn()`` runs, grouped by operator and factor shapes:
+    (operator, "[A] x [B]") -> [calls, FLOPs, CPU ms]. FLOPs are two per multiply-add from the
+    shapes ([m, k] x [k, n]: 2 m k n; batched: times b; the added term of ``addmm`` not counted),
+    as ``crtn.bench.cases.step_flops`` counts them, so the FLOPs sum to its count of the same
+    work; the time is each call's CPU time under ``torch.profiler`` (the device's is not waited
+    for). Which products a step's shapes are is read from the model: at the standard sizes,
+    for example, [4, 1024, 64] x [4, 64, 256] is the queries' folding (``retrieved.py``)."""
+    with profile(record_shapes=True) as prof:
+        fn()
+    out: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        if e.name not in PRODUCT_OPS:
+            continue
+        a, b = e.input_shapes[PRODUCT_OPS[e.name] :][:2]
+        flops = 2 * math.prod(a) * b[-1]
+        entry = out.setdefault((e.name, f"{a} x {b}"), [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += flops
+        entry[2] += e.cpu_time_total / 1e3
+    return out
+
+
+def print_products(name: str, table: dict[tuple[str, str], list[float]]) -> None:
+    """:func:`products_by_shape`'s table of case ``name``, most FLOPs first, with each group's rate."""
+    total = sum(v[1] for v in table.values())
+    print(f"===== products of one step of {name}: {total / 1e9:.2f} GFLOP", flush=True)
+    print("operator | factors | calls | GFLOP | ms | GFLOP/s")
+    for (op, shapes), (calls, flops, ms) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+        print(f"{op} | {shapes} | {calls} | {flops / 1e9:.3f} | {ms:.1f} | {flops / 1e6 / max(ms, 1e-3):.0f}")
 
 
 def _row_match_as_then(before, then: type | None):
@@ -219,6 +258,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default=None, help="also time each row with this commit's SWAPS")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--products", action="store_true", help="each step's matrix products by shape")
     ap.add_argument(
         "--peak", action="store_true", help="peak step memory of each case (the profiler's trace)"
     )
@@ -271,6 +311,9 @@ def main() -> None:
             f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / cases[0].flops:5.2f}x txl",
             flush=True,
         )
+    if a.products:
+        for c in cases:
+            print_products(c.name, products_by_shape(lambda c=c: step(c)))
     if a.peak:
         for c in cases:
             peak = step_peak(lambda c=c: step(c), dev)
