@@ -186,8 +186,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         else:
             if cache.gate is not None:  # selection inside attention: this layer's own top-k
                 lead = self._lead_queries(mem, rw_q, r_w_bias, n=cache.gate.summary.query_lead_rows)
-                sel = cache.gate.select(self, layer, rw_q, lead)
-                cache = cache.selected(sel)
+                sel, folded = cache.gate.select(self, layer, rw_q, lead)
+                cache = cache.selected(sel, folded)
                 real_pos = None if real_pos is None else real_pos.for_age(cache.age)
             attn_vec = attend_with_cache(
                 self, score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos

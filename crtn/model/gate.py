@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from crtn.model.cache import SegmentCache, Selection
+from crtn.model.retrieved import fold
 from crtn.model.rowmatch import ngram_row_scores
 from crtn.model.summary import Summary
 
@@ -96,7 +97,9 @@ class Gate:
     t0: int
     selections: list[Selection] = field(default_factory=list)
 
-    def select(self, attn: Any, layer: int, rw_q: Tensor, lead_q: Tensor | None) -> Selection:
+    def select(
+        self, attn: Any, layer: int, rw_q: Tensor, lead_q: Tensor | None
+    ) -> tuple[Selection, Tensor | None]:
         """The selection of layer ``layer`` for every token: top-k by the gate scores.
 
         Args:
@@ -107,15 +110,19 @@ class Gate:
 
         Returns:
             a :class:`Selection` of shape [B, L, 1, k] (one group: the heads share it), also
-            appended to :attr:`selections`.
+            appended to :attr:`selections`; and the segment's folded queries [B, L, H, d]
+            (:func:`crtn.model.retrieved.fold` of ``rw_q``) for the layer's retrieved attention,
+            which reads the same W_{k,E}^T (q + u), so a layer folds them once; None with
+            :attr:`detach`, where the selection's are folded from q + u without its gradient.
         """
         q = torch.cat([lead_q, rw_q], 1) if lead_q is not None else rw_q
         qm = fold(attn, q.detach() if self.detach else q)  # [B, Lq, H, d]; W_{k,E} keeps its gradient
+        folded = None if self.detach else qm[:, q.shape[1] - rw_q.shape[1] :]
         qm = qm.sum(2, keepdim=True)  # [B, Lq, 1, d]: the heads' scores summed
         scores = self._scores(attn, layer, qm) * (1.0 / math.sqrt(attn.d_head))
         sel = self.cache.choose(scores, top_k=self.top_k, alpha_norm=self.alpha_norm, t0=self.t0)
         self.selections.append(sel)
-        return sel
+        return sel, folded
 
     def _scores(self, attn: Any, layer: int, qm: Tensor) -> Tensor:
         """Unscaled block scores [B, L, G, n_valid] of folded queries qm [B, Lq, G, d] (Lq - L lead
@@ -157,11 +164,3 @@ class Gate:
 def _per_group(x: Tensor, G: int) -> Tensor:
     """[B, ...] -> [B*G, ...]: the same tensor for each of G head groups (a view when G = 1)."""
     return x if G == 1 else x[:, None].expand(x.shape[0], G, *x.shape[1:]).reshape(-1, *x.shape[1:])
-
-
-def fold(attn: Any, rw_q: Tensor) -> Tensor:
-    """Queries folded into model space, qm^h = W_{k,E}^{h T} (q^h + u^h): rw_q [B, L, H, d_h] ->
-    [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring)."""
-    H, dh = rw_q.shape[-2:]
-    w_k = attn.qkv_net.weight.view(3, H, dh, -1)[1]
-    return torch.einsum("blhe,hed->blhd", rw_q, w_k)

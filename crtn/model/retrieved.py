@@ -60,6 +60,9 @@ class CacheContext:
             once and shared by every layer that reads this selection; None until then.
         product_dtype: dtype of the products with the retrieved rows (``cache.product_dtype``,
             ``grouped.py``); None: the dtype ``values`` are stored in.
+        folded: [B, L, H, d] the layer's folded queries W_{k,E}^T (q + u) where its gate's
+            selection computed them with their gradient (:meth:`crtn.model.gate.Gate.select`), so
+            that a layer folds its queries once; None: :func:`attend_with_cache` folds them.
     """
 
     values: Tensor
@@ -72,16 +75,18 @@ class CacheContext:
     gate_k: int = 0
     groups: SlotGroups | TokenRows | None = None
     product_dtype: torch.dtype | None = None
+    folded: Tensor | None = None
 
     @property
     def k(self) -> int:
         return self.index.shape[-1] if self.index is not None else self.gate_k
 
-    def selected(self, sel: Any) -> CacheContext:
+    def selected(self, sel: Any, folded: Tensor | None = None) -> CacheContext:
         """This context with a layer's selection ``sel`` (a :class:`crtn.model.cache.Selection`
-        [B, L, 1, k]: one group, shared by the heads) as [B, L, k]."""
+        [B, L, 1, k]: one group, shared by the heads) as [B, L, k], and the layer's folded
+        queries where the selection made them (:attr:`folded`)."""
         index, alpha, age = sel.flat_index[:, :, 0], sel.alpha[:, :, 0], sel.age[:, :, 0]
-        return replace(self, index=index, alpha=alpha, age=age, gate=None, groups=None)
+        return replace(self, index=index, alpha=alpha, age=age, gate=None, groups=None, folded=folded)
 
     def slot_groups(self) -> SlotGroups | TokenRows:
         """The pairs of ``index`` (flattened to [rows, k]) grouped by slot, or on a GPU read token
@@ -131,7 +136,7 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    ac_c = _folded_scores(attn, rw_q, values, groups=groups, dtype=cache.product_dtype)
+    ac_c = _folded_scores(attn, rw_q, values, groups=groups, dtype=cache.product_dtype, folded=cache.folded)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -154,14 +159,22 @@ def attend_with_cache(
 
 
 def _folded_scores(
-    attn: Any, rw_q: Tensor, values: Tensor, *, groups: SlotGroups | TokenRows, dtype: torch.dtype | None
+    attn: Any,
+    rw_q: Tensor,
+    values: Tensor,
+    *,
+    groups: SlotGroups | TokenRows,
+    dtype: torch.dtype | None,
+    folded: Tensor | None = None,
 ) -> Tensor:
     """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
     [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]; the products
-    with the rows in ``dtype`` (None: the rows')."""
+    with the rows in ``dtype`` (None: the rows'). ``folded``: rw_q already folded,
+    [B, L, H, d] (:attr:`CacheContext.folded`), or None."""
     B, L, H, dh = rw_q.shape
-    w_k = attn.qkv_net.weight.view(3, H, dh, attn.d_model)[1]
-    q_model = torch.einsum("blhe,hed->blhd", rw_q, w_k).reshape(-1, H, attn.d_model)
+    if folded is None:
+        folded = fold(attn, rw_q)
+    q_model = folded.reshape(-1, H, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
         out = (
@@ -171,6 +184,14 @@ def _folded_scores(
     else:
         out = grouped_product(q_model, values, groups, to_rows=True, dtype=dtype)
     return out.reshape(B * L, H, -1)
+
+
+def fold(attn: Any, rw_q: Tensor) -> Tensor:
+    """Queries folded into model space, qm^h = W_{k,E}^{h T} (q^h + u^h): rw_q [B, L, H, d_h] ->
+    [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring)."""
+    H, dh = rw_q.shape[-2:]
+    w_k = attn.qkv_net.weight.view(3, H, dh, -1)[1]
+    return torch.einsum("blhe,hed->blhd", rw_q, w_k)
 
 
 def _folded_mix(
