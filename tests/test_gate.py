@@ -144,3 +144,44 @@ def test_lead_queries_come_from_the_memory():
     assert torch.equal(
         attn._lead_queries(None, rw_q, model.r_w_bias, n=2), torch.zeros(2, 2, H, dh, dtype=torch.float64)
     )
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_gradient"])
+def test_best_row_gate_multiplies_bfloat16_rows_in_the_queries_dtype(monkeypatch, grad):
+    """With the cache in bfloat16 (``cache.dtype``) the best-row gate's match multiplies in the
+    queries' dtype either way: its scores (and in training the queries' gradient) equal, exactly,
+    those of the same rows cast up first. In training the match gets the cache's own bfloat16
+    rows, cast chunk by chunk and kept for the backward pass as stored instead of as a copy of
+    every slot's rows; without a gradient it gets them cast up (the match would multiply
+    bfloat16 rows in bfloat16 there, ``rowmatch.py``)."""
+    options = {
+        "summary.name": "token_max",
+        "cache.dtype": "bfloat16",
+        "cache.alpha_norm": "all",
+        "cache.top_k": 2,
+    }
+    model = tiny_model(V, **{**GATE, **options})
+    real, calls = gate_module.ngram_row_scores, []
+
+    def spy(query, rows, lead, **kw):
+        out = real(query, rows, lead, **kw)
+        calls.append((query.detach(), rows, lead, kw, out.detach()))
+        return out
+
+    monkeypatch.setattr(gate_module, "ngram_row_scores", spy)
+    with torch.set_grad_enabled(grad):
+        _drive(model, 5)
+    assert len(calls) >= 4
+    for query, rows, lead, kw, out in calls:
+        assert rows.dtype == (torch.bfloat16 if grad else query.dtype)
+        up = [None if t is None else t.to(query.dtype) for t in (rows, lead)]
+        q = query.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            want = real(q, *up, **kw)
+            assert torch.equal(out, want.detach())
+            if grad:
+                weight = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(1))
+                got = real(q, rows, lead, **kw)
+                assert torch.equal(
+                    torch.autograd.grad(got, q, weight)[0], torch.autograd.grad(want, q, weight)[0]
+                )

@@ -148,9 +148,13 @@ class Gate:
         rows [B, nv, Ls, d] (LayerNorm'ed for pre-LN), on every slot: [B, L, G, nv]."""
         B, Lq, G, d = qm.shape
         ln = attn.layer_norm
-        rows = rows.to(qm.dtype)  # the cache may store values in another dtype (cache.dtype)
-        if attn.pre_lnorm:
-            rows = F.layer_norm(rows, (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
+        if attn.pre_lnorm:  # normalised in the queries' dtype (the cache may store another)
+            rows = F.layer_norm(rows.to(qm.dtype), (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
+        elif not (torch.is_grad_enabled() and qm.requires_grad):
+            rows = rows.to(qm.dtype)  # products in the queries' dtype here too, not bfloat16's
+        # with a gradient, the rows as stored: the match casts them chunk by chunk (products in
+        # the queries' dtype) and keeps the cache's own tensor for its backward pass, not a
+        # copy of every slot's rows in the queries' dtype
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = self.cache._lead_in(self.summary.lead_rows).rows(rows)
