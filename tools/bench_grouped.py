@@ -26,7 +26,10 @@ step's matrix products of each (``crtn.bench.cases.step_flops``). ``--profile`` 
 operators where each case spends more than Transformer-XL (:func:`difference`); with
 ``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
 kernels' time over the step's wall time) and how many kernels a step launches; ``--peak``
-each case's peak step memory as ``crtn-bench`` measures it; ``--products`` each case's matrix
+each case's peak step memory as ``crtn-bench`` measures it; ``--copies K`` builds K identical
+cases of every row (Transformer-XL's too, named ``ROW_copy1``, ...), made after the others and
+timed in the same alternation: the spread between them is what one process's side-by-side
+ratios can resolve (docs/results.md, "What one process's side-by-side ratios resolve"); ``--products`` each case's matrix
 products of one step by operator and factor shapes, with their FLOPs and rates
 (:func:`products_by_shape`: where the count above comes from). Run it from a git checkout
 (``--before`` reads the old module with ``git show``), or give ``--before`` a folder holding the
@@ -265,6 +268,12 @@ def main() -> None:
     ap.add_argument(
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
+    ap.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="identical cases of each row (txl included): the spread of the harness",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (bench.device)")
     ap.add_argument("--batch", type=int, default=BenchSpec().batch, help="streams a step (bench.batch)")
     a = ap.parse_args()
@@ -281,6 +290,7 @@ def main() -> None:
     versions = implementations(a.before)
     if a.before:
         cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows[1:]]
+    cases += [make_case(f"{r.name}_copy{i}", r.spec, s, device=dev) for r in rows for i in range(1, a.copies)]
     stepper = Stepper(dev, amp=False)
 
     def use(c) -> None:
