@@ -121,6 +121,8 @@ def test_config_section_times_the_model_crtn_train_composes(smoke):
     # batch bench.batch (smoke: 2) of tgt_len 8 tokens per step
     for r in cfg["train"] + cfg["eval"]:
         assert r["tokens_per_s"] * r["step_ms"] / 1000 == pytest.approx(2 * 8)
+    for r in cfg["train"]:  # the products' rate over the whole step
+        assert r["gflop_per_s"] * r["step_ms"] / 1000 == pytest.approx(r["gflop"])
     ratios = cfg["ratios"]
     assert ratios["step_ratio"] == pytest.approx(model["step_ms"] / txl["step_ms"])
     assert ratios["flop_ratio"] == pytest.approx(model["gflop"] / txl["gflop"])
@@ -196,12 +198,13 @@ def test_table_rows_are_composed_from_yaml(smoke):
         assert r["step_ratio"] == pytest.approx(r["step_ms"] / rows["txl"]["step_ms"])
         # every row with a cache retrieves somewhere: more products than Transformer-XL's
         assert r["flop_ratio"] == pytest.approx(r["gflop"] / rows["txl"]["gflop"]) and r["flop_ratio"] > 1
+        assert r["gflop_per_s"] * r["step_ms"] / 1000 == pytest.approx(r["gflop"])
         assert r["range_tokens"] == 72 and r["range_ratio"] > 0 and r["eval_ratio"] > 0
         assert r["scaling_ratio"] > 0 and r["step_ms_large"] > 0
     assert [r["spec"]["model"]["mem_len"] for r in t["range_references"]] == [72]
     assert (t["n_slot"], t["n_slot_large"]) == (8, 80)
     assert (
-        "| row | overrides | step ms | step / txl | products / txl | memory / txl | tokens/s / txl(72) |"
+        "| row | overrides | step ms | step / txl | products / txl | products GFLOP/s | memory / txl | tokens/s / txl(72) |"
         in md
     )
 

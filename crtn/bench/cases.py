@@ -288,13 +288,16 @@ def tokens_per_s(c: Case) -> float:
 
 
 def row(c: Case, ref: Case | None = None) -> dict[str, Any]:
-    """A case's measurements (ms, tokens/s, GFLOP of a step's matrix products, MB; with ``ref``
-    its step time / ``ref``'s) and its resolved model spec (``spec``: what was really built)."""
+    """A case's measurements (ms, tokens/s, GFLOP of a step's matrix products and the rate they
+    ran at over the whole step, GFLOP/s: the numerator of model FLOPs utilisation, against the
+    hardware's peak; MB; with ``ref`` its step time / ``ref``'s) and its resolved model spec
+    (``spec``: what was really built)."""
     r = {
         "config": c.name,
         "step_ms": 1000 * median(c),
         "tokens_per_s": tokens_per_s(c),
         "gflop": None if c.flops is None else c.flops / 1e9,
+        "gflop_per_s": None if c.flops is None else c.flops / 1e9 / median(c),
         "peak_step_mb": None if c.peak is None else c.peak / 2**20,
         "state_mb": None if c.static is None else c.static / 2**20,
     }
