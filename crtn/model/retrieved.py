@@ -136,7 +136,8 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    ac_c = _folded_scores(attn, rw_q, values, groups=groups, dtype=cache.product_dtype, folded=cache.folded)
+    folded = fold(attn, rw_q) if cache.folded is None else cache.folded  # a gate's selection folded them
+    ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=cache.product_dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     if real_pos is not None:
         bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
@@ -159,21 +160,12 @@ def attend_with_cache(
 
 
 def _folded_scores(
-    attn: Any,
-    rw_q: Tensor,
-    values: Tensor,
-    *,
-    groups: SlotGroups | TokenRows,
-    dtype: torch.dtype | None,
-    folded: Tensor | None = None,
+    attn: Any, folded: Tensor, values: Tensor, *, groups: SlotGroups | TokenRows, dtype: torch.dtype | None
 ) -> Tensor:
-    """(q_j + u).W_{k,E} z with the query folded into model space: rw_q [B, L, H, d_h], values
-    [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] -> [B*L, H, k*Ls]; the products
-    with the rows in ``dtype`` (None: the rows'). ``folded``: rw_q already folded,
-    [B, L, H, d] (:attr:`CacheContext.folded`), or None."""
-    B, L, H, dh = rw_q.shape
-    if folded is None:
-        folded = fold(attn, rw_q)
+    """(q_j + u).W_{k,E} z with the query folded into model space (:func:`fold`): folded
+    [B, L, H, d], values [B*N, Ls, d], ``groups`` the pairs of the selection [B*L, k] ->
+    [B*L, H, k*Ls]; the products with the rows in ``dtype`` (None: the rows')."""
+    B, L, H, _ = folded.shape
     q_model = folded.reshape(-1, H, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
