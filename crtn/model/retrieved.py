@@ -180,7 +180,12 @@ def _folded_scores(
 
 def fold(attn: Any, rw_q: Tensor) -> Tensor:
     """Queries folded into model space, qm^h = W_{k,E}^{h T} (q^h + u^h): rw_q [B, L, H, d_h] ->
-    [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring)."""
+    [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring;
+    docs/method.md §3, "Efficient main pass"). ``attn``: the layer's
+    :class:`crtn.model.attention.RelPartialLearnableMultiHeadAttn`, whose W_{k,E} is read.
+
+    Raises:
+        RuntimeError: from ``torch.einsum`` when rw_q's heads do not match the layer's."""
     H, dh = rw_q.shape[-2:]
     w_k = attn.qkv_net.weight.view(3, H, dh, -1)[1]
     return torch.einsum("blhe,hed->blhd", rw_q, w_k)
