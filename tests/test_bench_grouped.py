@@ -32,8 +32,19 @@ def test_before_from_a_folder_loads_each_swap_from_its_files(tmp_path, capsys):
             assert old is today
         else:
             assert old is not today, name
-    loaded = {n: v for h, n, v in before if n == "attend_with_cache"}
+    loaded = {n: v for h, n, v in before if n in ("attend_with_cache", "forward")}
     assert loaded["attend_with_cache"].__module__ == "retrieved_before"
+    # the older attention layer calls the retrieved attention of the version being timed (the
+    # swapped global of today's attention module), not the one its own file imported
+    assert loaded["forward"].__module__ == "attention_before"
+    calls = []
+    saved = tool.attention.attend_with_cache
+    tool.attention.attend_with_cache = lambda *a, **k: calls.append((a, k)) or "timed"
+    try:
+        assert loaded["forward"].__globals__["attend_with_cache"](1, x=2) == "timed"
+    finally:
+        tool.attention.attend_with_cache = saved
+    assert calls == [((1,), {"x": 2})]
 
 
 def test_an_older_row_match_without_cosine_gets_its_rows_normalised():

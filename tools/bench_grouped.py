@@ -1,6 +1,7 @@
 """Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
 grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
-with that commit's retrieved attention, row match, top-k and grouped products (:data:`SWAPS`:
+with that commit's attention layer, retrieved attention, row match, top-k and grouped products
+(:data:`SWAPS`: ``RelPartialLearnableMultiHeadAttn.forward`` of ``crtn/model/attention.py``,
 ``attend_with_cache`` and ``CacheContext.slot_groups`` (the pairs' form) of ``crtn/model/retrieved.py``,
 ``Gate._row_scores`` of ``crtn/model/gate.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
@@ -113,6 +114,11 @@ ROWS = {
 
 #: what ``--before`` replaces: (file, attribute of it, [(module, name) it is read through])
 SWAPS = [
+    (
+        "crtn/model/attention.py",
+        "RelPartialLearnableMultiHeadAttn.forward",
+        [(attention.RelPartialLearnableMultiHeadAttn, "forward")],
+    ),
     ("crtn/model/retrieved.py", "attend_with_cache", [(attention, "attend_with_cache")]),
     ("crtn/model/retrieved.py", "CacheContext.slot_groups", [(CacheContext, "slot_groups")]),
     (
@@ -230,6 +236,20 @@ def _products_as_then(before):
     return product
 
 
+def _delegate(module, path: str) -> None:
+    """Point the globals of ``module`` (an older copy of ``path``) that a swap replaces in today's
+    module of the same file (``attend_with_cache`` in ``attention.py``, ``ngram_row_scores`` in
+    ``gate.py``) at today's module, read at each call: the older code then calls the version
+    being timed, not the function its own file imported when it was loaded."""
+    for _, _, holders in SWAPS:
+        for holder, name in holders:
+            same_file = (
+                inspect.ismodule(holder) and Path(holder.__file__).resolve() == (ROOT / path).resolve()
+            )
+            if same_file and hasattr(module, name):
+                setattr(module, name, lambda *a, _h=holder, _n=name, **k: getattr(_h, _n)(*a, **k))
+
+
 def implementations(commit: str | None) -> dict[str, list[tuple[object, str, object]]]:
     """Per version ("" now, "_before" at ``commit``), the (holder, name, value) settings of :data:`SWAPS`."""
     out: dict[str, list[tuple[object, str, object]]] = {"": []}
@@ -244,6 +264,8 @@ def implementations(commit: str | None) -> dict[str, list[tuple[object, str, obj
         except (subprocess.CalledProcessError, FileNotFoundError, AttributeError):  # not there yet
             print(f"--before {commit}: no {attr} in {path}; that part is today's", flush=True)
             value = None
+        if value is not None:
+            _delegate(module, path)
         if attr == "ngram_row_scores" and value is not None:
             value = _row_match_as_then(value, getattr(module, "LeadIn", None))
         if attr in ("SlotGroups.to_rows", "SlotGroups.from_rows") and value is not None:
@@ -289,7 +311,7 @@ def main() -> None:
     cases = [make_case(r.name, r.spec, s, device=dev) for r in rows]
     versions = implementations(a.before)
     if a.before:
-        cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows[1:]]
+        cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows]  # txl's layer too
     cases += [make_case(f"{r.name}_copy{i}", r.spec, s, device=dev) for r in rows for i in range(1, a.copies)]
     stepper = Stepper(dev, amp=False)
 
@@ -311,14 +333,15 @@ def main() -> None:
             t = time.perf_counter()
             step(c)
             c.times.append(time.perf_counter() - t)
-    ref = statistics.median(cases[0].times)
-    for c in cases:
-        m = statistics.median(c.times)
+    refs = {c.name: statistics.median(c.times) for c in cases if c.name in ("txl", "txl_before")}
+    for c in cases:  # a version's rows against the same version's Transformer-XL
+        m, ref = statistics.median(c.times), refs["txl_before" if c.name.endswith("_before") else "txl"]
         print(f"{c.name:24s} {1000 * m:9.1f} ms  {m / ref:5.2f}x txl", flush=True)
     for c in cases:  # the arithmetic beside the time: one more step of each, counted
         c.flops = step_flops(lambda c=c: step(c))
+        ref = next(r for r in cases if r.name == ("txl_before" if c.name.endswith("_before") else "txl"))
         print(
-            f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / cases[0].flops:5.2f}x txl",
+            f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / ref.flops:5.2f}x txl",
             flush=True,
         )
     if a.products:
