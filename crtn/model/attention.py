@@ -173,7 +173,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             attn_vec = flex_path.rel_attention((rw_q, rr_q), k, v, r_head_k=r_head_k, mask=flex_mask)
             return self._output(h, attn_vec)
         ac = torch.matmul(rw_q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, L, K]
-        bd = torch.matmul(rr_q.transpose(1, 2), r_head_k.permute(1, 2, 0))  # [B, H, L, R]
+        # one product per head over all B L queries: a batched matmul over [B, H] would expand the
+        # position keys [R, H, dh] to a copy per batch row and keep it for the backward pass
+        bd = torch.einsum("blhd,rhd->bhlr", rr_q, r_head_k)  # [B, H, L, R]
         bd = rel_shift(bd)
         C = bd.shape[-1] - K  # retrieved rows covered by pos_emb (pos=concat)
         score = ac + bd[..., C:]

@@ -165,7 +165,7 @@ def rel_attention(
     B, L, H, dh = rw_q.shape
     K = k.shape[1]
     scale = 1.0 / math.sqrt(dh)
-    bd_raw = torch.matmul(rr_q.transpose(1, 2), r_head_k[-K:].permute(1, 2, 0))  # [B, H, L, K]
+    bd_raw = torch.einsum("blhd,rhd->bhlr", rr_q, r_head_k[-K:])  # [B, H, L, K], as attention.py's
     dtype = _attention_dtype(rw_q, k)
     query, key, value = (t.transpose(1, 2).to(dtype) for t in (rw_q, k, v))  # [B, H, *, d_h]
     score_mod = position_score_mod(bd_raw, scale)
