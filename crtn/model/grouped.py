@@ -47,9 +47,11 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_READ_PAIRS = 4.0
 #: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
 CHUNK_VALUES = 1 << 18
-#: the same for 16-bit products (8 MB): on the development machine's CPU a bfloat16 batched
-#: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or more
-CHUNK_VALUES_16 = 1 << 22
+#: the same for 16-bit products (4 MB): on the development machine's CPU a bfloat16 batched
+#: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or
+#: more; a step with selection inside attention peaks inside one such chunk, and chunks of twice
+#: this ran no faster (docs/results.md, "Peak step memory on the CPU, each allocation counted once")
+CHUNK_VALUES_16 = 1 << 21
 #: the most rows' values a product may gather token by token (:func:`pairs_of`; 512 MB in bfloat16):
 #: above it, as with long segments, large k or many streams, the products group by slot instead
 GATHER_VALUES = 1 << 28
@@ -166,24 +168,31 @@ class SlotGroups:
     ) -> Tensor:
         """Each token's mixture of its slots' rows: y [T, H, k·Ls] -> [T, H, d], out[t, h] =
         sum_{p,r} y[t, h, p·Ls + r] Z_{t,p}[r] (the adjoint of :meth:`to_rows`), computed in
-        ``dtype``, returned in y's. The tiles' results stay in the tiles' pair layout and reach
-        the tokens in one gather (pair i sits at ``place[i]``), then a sum over the k slots in y's
-        dtype."""
+        ``dtype``, returned in y's. Each chunk of tiles writes its results straight to the pairs'
+        layout [T·k, H, d] (padding to one spare row), so neither the padded tiles' results nor a
+        second copy of them in the tokens' layout is ever held; then a sum over the k slots in
+        y's dtype, slot by slot (no [T, k, H, d] copy in y's dtype)."""
         T, H, _ = y.shape
         P, (Ls, d) = self.size, values.shape[1:]
         pairs = y.new_empty(T * self.k + 1, H, Ls, dtype=dtype)  # the last row: padding's zeros
         pairs[-1].zero_()
         pairs[:-1].view(T, self.k, H, Ls).copy_(y.view(T, H, self.k, Ls).transpose(1, 2))  # cast here
         c = self._chunk(values, H * (Ls + d), dtype)
-        res = pairs.new_empty(self.n_tiles, P * H, d)
+        mixed = pairs.new_empty(T * self.k + 1, H, d)  # by pair; the last row takes the padding's
         zbufs, wbuf = self._buffers(values, c, dtype), pairs.new_empty(c * P, H, Ls)
+        rbuf = pairs.new_empty(c, P * H, d)
         for s in range(0, self.n_tiles, c):
             e = min(self.n_tiles, s + c)
             z = self._rows(values, zbufs, slice(s, e), normalize=normalize, eps=eps)
-            w = torch.index_select(pairs, 0, self.pair[s * P : e * P], out=wbuf[: (e - s) * P])
-            torch.bmm(w.view(e - s, P * H, Ls), z, out=res[s:e])
-        out = self._by_token(res, H).to(y.dtype)  # [T, k, H, d]
-        return out[:, 0] if self.k == 1 else out.sum(1)
+            at = self.pair[s * P : e * P]
+            w = torch.index_select(pairs, 0, at, out=wbuf[: (e - s) * P])
+            res = torch.bmm(w.view(e - s, P * H, Ls), z, out=rbuf[: e - s])
+            mixed.index_copy_(0, at, res.view(-1, H, d))
+        by_token = mixed[:-1].view(T, self.k, H, d)
+        out = by_token[:, 0].to(y.dtype, copy=True)
+        for p in range(1, self.k):
+            out += by_token[:, p]
+        return out
 
     def _by_token(self, tiles: Tensor, n_head: int) -> Tensor:
         """The tiles' results [n_t, P·H, X] in the tokens' layout [T, k, H, X]: pair i = t·k + p
