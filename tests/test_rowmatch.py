@@ -58,6 +58,40 @@ def test_row_match_equals_the_per_token_loop(monkeypatch, w, s, chunk):
     _check(w, s, ties=False)
 
 
+@pytest.mark.parametrize(("w", "s"), [(1, 0), (4, 1)])
+def test_rows_of_another_dtype_are_cast_a_chunk_at_a_time(monkeypatch, w, s):
+    """Rows stored in a narrower dtype than the query's (float32 against float64 here, as the cache's
+    bfloat16 against float32 queries) are copied into the query's dtype one chunk of slots at a
+    time, and that copy [G, slots, Ls, d] stays within CHUNK_ELEMENTS even where it is larger than
+    the chunk's score block (d > w-1+L here, as at the standard sizes); the scores and the query's
+    gradient equal those of the rows cast up front (to 1e-12: products of other shapes round alike
+    but not bit for bit)."""
+    query, rows, lead = _inputs(w, s, d=64)
+    query = query.detach().requires_grad_()
+    rows32 = rows.detach().float()
+    lead32 = None if lead is None else lead.detach().float()
+    G, n, Ls, d = rows.shape
+    assert 2 * G * query.shape[1] * (Ls + w - 1 + s) < G * Ls * d  # per slot the copy is the larger
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * G * Ls * d)
+    spans, chunk_sums = [], rowmatch._chunk_sums
+
+    def spy(query, rows, lead, *, span, w):
+        spans.append(span)
+        return chunk_sums(query, rows, lead, span=span, w=w)
+
+    monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
+    got = ngram_row_scores(query, rows32, lead32, ngram=w, shift=s)
+    (g_got,) = torch.autograd.grad(got.sum(), query)
+    assert spans and all(i1 - i0 <= 2 for i0, i1 in spans)
+    monkeypatch.setattr(rowmatch, "_chunk_sums", chunk_sums)
+    want = ngram_row_scores(
+        query, rows32.double(), None if lead32 is None else lead32.double(), ngram=w, shift=s
+    )
+    (g_want,) = torch.autograd.grad(want.sum(), query)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # products of other shapes: rounding
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
 @pytest.mark.parametrize(("w", "s"), CASES)
 def test_without_gradient_the_scores_are_the_same(monkeypatch, w, s, ties):

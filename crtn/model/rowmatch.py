@@ -128,12 +128,18 @@ def ngram_row_scores(
     return _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
 
 
-def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int) -> int:
+def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True) -> int:
     """Slots per chunk: a score block [G, Lq, slots, Ls + n_lead] (``n_lead`` lead-in rows per
-    slot) of at most :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU)."""
+    slot) of at most :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU), and, where
+    ``cast`` and the rows are stored in another dtype than the query's, their copy in the query's
+    dtype [G, slots, Ls, d] too (with d > Lq that copy is the larger). :func:`_row_max_bf16`
+    multiplies the rows as stored (``cast=False``)."""
     budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
-    n_cols = rows.shape[2] + n_lead
-    return max(1, budget // max(1, query.shape[0] * query.shape[1] * n_cols))
+    G, Ls, d = query.shape[0], rows.shape[2], rows.shape[3]
+    per_slot = G * query.shape[1] * (Ls + n_lead)
+    if cast and rows.dtype != query.dtype:
+        per_slot = max(per_slot, G * Ls * d)
+    return max(1, budget // max(1, per_slot))
 
 
 def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple[int, int], w: int) -> Tensor:
@@ -212,7 +218,7 @@ def _row_max_bf16(
     inv = _inverse_norms(rows) if cosine else None  # [G, N, Ls]
     inv_lead = _inverse_norms(lead) if cosine and isinstance(lead, Tensor) else None
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
-    step = _chunk_slots(query[:1] if one_row else query, rows, n_lead)
+    step = _chunk_slots(query[:1] if one_row else query, rows, n_lead, cast=False)
     best = query.new_empty(G, N, L)
     for gs in [slice(g, g + 1) for g in range(G)] if one_row else [slice(None)]:
         q_g = q_t[gs]  # [Gb, d, Lq]
