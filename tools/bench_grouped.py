@@ -78,7 +78,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
 #: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
 #: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32) and
-#: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only)
+#: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only) and
+#: ``txl_range`` (Transformer-XL whose memory covers the default's range)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
@@ -109,6 +110,9 @@ ROWS = {
         "cache.alpha_norm=topk",
     ],
     "crtn_original_detach": ["model=crtn_original", "query.detach=true"],
+    # Transformer-XL over the default's whole range, m + N L tokens of memory (crtn-bench's
+    # same-range reference): the default's tokens/s against it is the inverse of the step ratio
+    "txl_range": ["model=txl", f"model.mem_len={BenchSpec().tgt_len * (1 + BenchSpec().n_slot)}"],
 }
 
 
