@@ -19,8 +19,8 @@ slot among the token's selections) never enters the grouping.
 P is chosen per selection from a cost model (:func:`choose_tile`): a tile costs its padded
 P·H·Ls·d multiply-adds and the read of the slot's rows; with many tokens on few slots large
 tiles waste nothing, with selections spread over many slots small ones pad less. On a CPU the
-tiles run in chunks whose rows and operands (about 1 MB) are read into reused buffers that stay
-in cache (large fresh allocations cost page faults on every call).
+tiles run in chunks whose rows and operands (4 MB) are read into reused buffers (large fresh
+allocations cost page faults on every call).
 
 The products run in a dtype of their own (``dtype``; ``cache.product_dtype``), by default the
 dtype the cache stores: bfloat16 rows are multiplied as stored, with the per-token operands
@@ -45,8 +45,10 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: multiply-adds); a rough value: on the development machine's CPU, at the standard sizes with
 #: selections spread over the slots, tiles of 2, 4 and 8 pairs ran within noise of each other
 ROW_READ_PAIRS = 4.0
-#: values (rows and operands) per chunk of tiles on a CPU: 1 MB in float32, which stays in cache
-CHUNK_VALUES = 1 << 18
+#: values (rows and operands) per chunk of tiles on a CPU: 4 MB in float32; the CRTN authors'
+#: model, whose cache is float32, stepped 0.1x of Transformer-XL's step faster than with chunks of
+#: 1 MB, whose calls were many and small (docs/results.md, "Chunks of float32 products")
+CHUNK_VALUES = 1 << 20
 #: the same for 16-bit products (4 MB): on the development machine's CPU a bfloat16 batched
 #: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or
 #: more; a step with selection inside attention peaks inside one such chunk, and chunks of twice
