@@ -46,8 +46,8 @@ TILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 #: selections spread over the slots, tiles of 2, 4 and 8 pairs ran within noise of each other
 ROW_READ_PAIRS = 4.0
 #: values (rows and operands) per chunk of tiles on a CPU: 4 MB in float32; the CRTN authors'
-#: model, whose cache is float32, stepped 0.1x of Transformer-XL's step faster than with chunks of
-#: 1 MB, whose calls were many and small (docs/results.md, "Chunks of float32 products")
+#: model, whose cache is float32, stepped 0.1-0.2x of Transformer-XL's step faster than with
+#: chunks of 1 MB, whose calls were many and small (docs/results.md, "Chunks of float32 products")
 CHUNK_VALUES = 1 << 20
 #: the same for 16-bit products (4 MB): on the development machine's CPU a bfloat16 batched
 #: product of a few tiles costs about what float32's does, and gains only at a hundred tiles or

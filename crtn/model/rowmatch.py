@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 #: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
-#: in float64): the slots are scored this many at a time, so memory does not grow with N L L
+#: in float64), and of the chunk's rows copied into the query's dtype where they are stored in another
+#: (:func:`_chunk_slots`): the slots are scored this many at a time, so memory does not grow with N L L
 CHUNK_ELEMENTS = 1 << 21
 #: the same off the CPU (a GPU: fewer, larger chunks, since each chunk launches some 20 kernels)
 CHUNK_ELEMENTS_GPU = 1 << 25
