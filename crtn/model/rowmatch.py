@@ -131,14 +131,17 @@ def ngram_row_scores(
 
 def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True) -> int:
     """Slots per chunk: a score block [G, Lq, slots, Ls + n_lead] (``n_lead`` lead-in rows per
-    slot) of at most :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU), and, where
-    ``cast`` and the rows are stored in another dtype than the query's, their copy in the query's
-    dtype [G, slots, Ls, d] too (with d > Lq that copy is the larger). :func:`_row_max_bf16`
-    multiplies the rows as stored (``cast=False``)."""
-    budget = CHUNK_ELEMENTS if query.device.type == "cpu" else CHUNK_ELEMENTS_GPU
+    slot) of at most :data:`CHUNK_ELEMENTS` (:data:`CHUNK_ELEMENTS_GPU` off the CPU), and on the
+    CPU, where ``cast`` and the rows are stored in another dtype than the query's, their copy in
+    the query's dtype [G, slots, Ls, d] too (with d > Lq that copy is the larger; docs/results.md,
+    "Peak step memory on the CPU, each allocation counted once"). Off the CPU the score block
+    alone sets the chunk, as it was measured there: each chunk launches some 20 kernels.
+    :func:`_row_max_bf16` multiplies the rows as stored (``cast=False``)."""
+    cpu = query.device.type == "cpu"
+    budget = CHUNK_ELEMENTS if cpu else CHUNK_ELEMENTS_GPU
     G, Ls, d = query.shape[0], rows.shape[2], rows.shape[3]
     per_slot = G * query.shape[1] * (Ls + n_lead)
-    if cast and rows.dtype != query.dtype:
+    if cpu and cast and rows.dtype != query.dtype:
         per_slot = max(per_slot, G * Ls * d)
     return max(1, budget // max(1, per_slot))
 
