@@ -26,7 +26,10 @@ def tune_allocator() -> bool:
     touching the new pages again at every step costs about 0.5 ms per MB on the machines
     this project runs on (6-7% of a training step at the benchmark sizes, measured with
     ``crtn-bench``). Raising the mmap and trim thresholds makes glibc reuse the memory
-    instead, like a caching allocator (the resident size then stays at its peak).
+    instead, like a caching allocator (the resident size then stays at its peak). The heap can
+    fragment: with many differently sized per-step tensors (selection inside attention) the
+    resident size can grow well past the live tensors for hundreds of steps, and those steps
+    still fault in fresh pages.
 
     A no-op on non-glibc systems or when ``CRTN_NO_MALLOC_TUNING`` is set. Call it once,
     before large allocations. Returns whether the thresholds were set.
