@@ -337,15 +337,20 @@ def main() -> None:
             t = time.perf_counter()
             step(c)
             c.times.append(time.perf_counter() - t)
-    refs = {c.name: statistics.median(c.times) for c in cases if c.name in ("txl", "txl_before")}
-    for c in cases:  # a version's rows against the same version's Transformer-XL
-        m, ref = statistics.median(c.times), refs["txl_before" if c.name.endswith("_before") else "txl"]
-        print(f"{c.name:24s} {1000 * m:9.1f} ms  {m / ref:5.2f}x txl", flush=True)
-    for c in cases:  # the arithmetic beside the time: one more step of each, counted
-        c.flops = step_flops(lambda c=c: step(c))
-        ref = next(r for r in cases if r.name == ("txl_before" if c.name.endswith("_before") else "txl"))
+    by_name = {c.name: c for c in cases}
+
+    def txl_of(c):  # a version's rows against the same version's Transformer-XL
+        return by_name["txl_before" if c.name.endswith("_before") else "txl"]
+
+    for c in cases:
+        m = statistics.median(c.times)
         print(
-            f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / ref.flops:5.2f}x txl",
+            f"{c.name:24s} {1000 * m:9.1f} ms  {m / statistics.median(txl_of(c).times):5.2f}x txl", flush=True
+        )
+    for c in cases:  # the arithmetic beside the time: one more step of each, counted (txl first)
+        c.flops = step_flops(lambda c=c: step(c))
+        print(
+            f"products {c.name:15s} {c.flops / 1e9:9.2f} GFLOP {c.flops / txl_of(c).flops:5.2f}x txl",
             flush=True,
         )
     if a.products:
