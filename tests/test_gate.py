@@ -150,10 +150,10 @@ def test_lead_queries_come_from_the_memory():
 def test_best_row_gate_multiplies_bfloat16_rows_in_the_queries_dtype(monkeypatch, grad):
     """With the cache in bfloat16 (``cache.dtype``) the best-row gate's match multiplies in the
     queries' dtype either way: its scores (and in training the queries' gradient) equal, exactly,
-    those of the same rows cast up first. In training the match gets the cache's own bfloat16
-    rows, cast chunk by chunk and kept for the backward pass as stored instead of as a copy of
-    every slot's rows; without a gradient it gets them cast up (the match would multiply
-    bfloat16 rows in bfloat16 there, ``rowmatch.py``)."""
+    those of the same rows cast up first. The match gets the cache's own bfloat16 rows, cast
+    chunk by chunk (and in training kept for the backward pass as stored) instead of a copy of
+    every slot's rows, and without a gradient asks for products in the queries' dtype, where
+    the match would otherwise multiply bfloat16 rows in bfloat16 (``rowmatch.py``)."""
     options = {
         "summary.name": "token_max",
         "cache.dtype": "bfloat16",
@@ -173,7 +173,7 @@ def test_best_row_gate_multiplies_bfloat16_rows_in_the_queries_dtype(monkeypatch
         _drive(model, 5)
     assert len(calls) >= 4
     for query, rows, lead, kw, out in calls:
-        assert rows.dtype == (torch.bfloat16 if grad else query.dtype)
+        assert rows.dtype == torch.bfloat16 and kw["bf16_products"] is False
         up = [None if t is None else t.to(query.dtype) for t in (rows, lead)]
         q = query.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):

@@ -188,6 +188,43 @@ def test_bfloat16_rows_score_within_their_rounding(monkeypatch, w, s, cosine, on
     torch.testing.assert_close(full.double(), unrounded, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_bfloat16_rows_can_multiply_in_the_query_s_dtype_without_gradient(monkeypatch, w, s):
+    """With ``bf16_products=False`` a selection from bfloat16 rows without gradient multiplies in
+    the query's dtype: the scores equal those of the same rows cast up front, the
+    rows are cast a chunk of slots at a time (chunks of two slots here), and the bfloat16 path is
+    not taken (its products would err by about 2^-8 of their size, 1e-2 here; products of other
+    shapes round alike to float32's 1e-6)."""
+    query, rows, lead = (None if t is None else t.detach() for t in _inputs(w, s))
+    query, rows16 = query.float(), rows.bfloat16()
+    lead16 = None if lead is None else lead.bfloat16()
+    G, _, Ls, d = rows.shape
+    monkeypatch.setattr(
+        rowmatch, "CHUNK_ELEMENTS", 2 * max(G * Ls * d, G * query.shape[1] * (Ls + w - 1 + s))
+    )
+    spans, chunk_sums = [], rowmatch._chunk_sums
+
+    def spy(query, rows, lead, *, span, w):
+        assert rows.dtype == torch.bfloat16  # the caller's rows as stored, not a cast copy
+        spans.append(span)
+        return chunk_sums(query, rows, lead, span=span, w=w)
+
+    def refuse(*a, **kw):
+        raise AssertionError("the bfloat16 products were taken")
+
+    monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
+    monkeypatch.setattr(rowmatch, "_row_max_bf16", refuse)
+    with torch.no_grad():
+        got = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s, bf16_products=False)
+    assert spans and all(i1 - i0 <= 2 for i0, i1 in spans)
+    monkeypatch.setattr(rowmatch, "_chunk_sums", chunk_sums)
+    with torch.no_grad():
+        want = ngram_row_scores(
+            query, rows16.float(), None if lead16 is None else lead16.float(), ngram=w, shift=s
+        )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @ROWS_AT_A_TIME
 @pytest.mark.parametrize("cosine", [False, True], ids=["dot", "cosine"])
 @pytest.mark.parametrize("chunk", [1, 2, 5], ids=["one_slot", "two_slots", "one_chunk"])

@@ -1,6 +1,6 @@
-"""Training-step time of cost-table rows against Transformer-XL, with the retrieved attention
-grouped by slot (docs/method.md §3, "Efficient main pass") and, with ``--before COMMIT``, also
-with that commit's attention layer, retrieved attention, row match, top-k and grouped products
+"""Training-step (or evaluation-step) time of cost-table rows against Transformer-XL, with the
+retrieved attention grouped by slot (docs/method.md §3, "Efficient main pass") and, with
+``--before COMMIT``, also with that commit's attention layer, retrieved attention, row match, top-k and grouped products
 (:data:`SWAPS`: ``RelPartialLearnableMultiHeadAttn.forward`` of ``crtn/model/attention.py``,
 ``attend_with_cache`` and ``CacheContext.slot_groups`` (the pairs' form) of ``crtn/model/retrieved.py``,
 ``Gate._row_scores`` of ``crtn/model/gate.py``, ``ngram_row_scores`` of
@@ -27,7 +27,8 @@ step's matrix products of each (``crtn.bench.cases.step_flops``). ``--profile`` 
 operators where each case spends more than Transformer-XL (:func:`difference`); with
 ``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
 kernels' time over the step's wall time) and how many kernels a step launches; ``--peak``
-each case's peak step memory as ``crtn-bench`` measures it; ``--copies K`` builds K identical
+each case's peak step memory as ``crtn-bench`` measures it; ``--eval`` evaluation steps
+instead (no optimiser, forward only under ``torch.no_grad``, as ``crtn-eval`` runs); ``--copies K`` builds K identical
 cases of every row (Transformer-XL's too, named ``ROW_copy1``, ...), made after the others and
 timed in the same alternation: the spread between them is what one process's side-by-side
 ratios can resolve (docs/results.md, "What one process's side-by-side ratios resolve"); ``--products`` each case's matrix
@@ -294,6 +295,7 @@ def main() -> None:
     ap.add_argument(
         "--random-fill", action="store_true", help="2 slots by real steps, the rest random states"
     )
+    ap.add_argument("--eval", action="store_true", help="evaluation steps (no gradient) instead of training")
     ap.add_argument(
         "--copies",
         type=int,
@@ -312,11 +314,16 @@ def main() -> None:
     s = BenchSpec(rows={n: ROWS[n] for n in names}, batch=a.batch, device=a.device)
     rows = compose_rows(s)
     dev = bench_device(a.device)
-    cases = [make_case(r.name, r.spec, s, device=dev) for r in rows]
+    train = not a.eval
+    cases = [make_case(r.name, r.spec, s, device=dev, train=train) for r in rows]
     versions = implementations(a.before)
-    if a.before:
-        cases += [make_case(r.name + "_before", r.spec, s, device=dev) for r in rows]  # txl's layer too
-    cases += [make_case(f"{r.name}_copy{i}", r.spec, s, device=dev) for r in rows for i in range(1, a.copies)]
+    if a.before:  # txl's layer too
+        cases += [make_case(r.name + "_before", r.spec, s, device=dev, train=train) for r in rows]
+    cases += [
+        make_case(f"{r.name}_copy{i}", r.spec, s, device=dev, train=train)
+        for r in rows
+        for i in range(1, a.copies)
+    ]
     stepper = Stepper(dev, amp=False)
 
     def use(c) -> None:

@@ -150,18 +150,17 @@ class Gate:
         ln = attn.layer_norm
         if attn.pre_lnorm:  # normalised in the queries' dtype (the cache may store another)
             rows = F.layer_norm(rows.to(qm.dtype), (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
-        elif not (torch.is_grad_enabled() and qm.requires_grad):
-            rows = rows.to(qm.dtype)  # products in the queries' dtype here too, not bfloat16's
-        # with a gradient, the rows as stored: the match casts them chunk by chunk (products in
-        # the queries' dtype) and keeps the cache's own tensor for its backward pass, not a
-        # copy of every slot's rows in the queries' dtype
+        # otherwise the rows as stored: the match casts them chunk by chunk, products in the
+        # queries' dtype with a gradient or without (bf16_products=False: evaluation selects as
+        # training does), and keeps the cache's own tensor for its backward pass, not a copy of
+        # every slot's rows in the queries' dtype
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = self.cache._lead_in(self.summary.lead_rows).rows(rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
         rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
         w, s = self.summary.ngram, self.summary.shift
-        scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s)  # [B*G, L, n]
+        scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s, bf16_products=False)  # [B*G, L, n]
         return scores.view(B, G, -1, scores.shape[-1]).transpose(1, 2)
 
 

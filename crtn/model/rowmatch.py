@@ -70,6 +70,7 @@ def ngram_row_scores(
     ngram: int,
     shift: int,
     cosine: bool = False,
+    bf16_products: bool = True,
 ) -> Tensor:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
     (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot;
@@ -89,7 +90,7 @@ def ngram_row_scores(
         query: [G, w-1+L, d] the L queries with the w-1 before them in front.
         rows: [G, n, Ls, d] the rows of n slots (G independent batches: batch rows, head groups);
             any floating dtype (cast to the query's chunk by chunk; bfloat16 rows without gradient:
-            the products in bfloat16, :func:`_row_max_bf16`).
+            the products in bfloat16, :func:`_row_max_bf16`, unless ``bf16_products`` is False).
         lead: [G, n, w-1+s, d] the rows before each slot (zeros where none), or the same named by
             their slots (:class:`LeadIn`), or None when w-1+s = 0.
         cosine: divide each product by its row's norm (a zero row scores 0). The rows are normalised
@@ -97,6 +98,10 @@ def ngram_row_scores(
             stored and scales each product by its row's reciprocal norm (:func:`_inverse_norms`)
             instead of writing a normalised copy of every row (docs/method.md §3, "A selection in
             bfloat16").
+        bf16_products: where no gradient is needed, multiply rows stored in bfloat16 as stored
+            (:func:`_row_max_bf16`); False: in the query's dtype, the rows cast chunk by chunk, as
+            with a gradient (a caller whose training scores multiply in the query's dtype and
+            whose evaluation must select as it trained).
 
     Returns:
         [G, L, n] in the query's dtype.
@@ -117,7 +122,7 @@ def ngram_row_scores(
         lead = None
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
-    if no_grad and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
+    if no_grad and bf16_products and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
         return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine)
     if cosine:
         rows = F.normalize(rows.to(query.dtype), dim=-1)
