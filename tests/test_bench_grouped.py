@@ -94,3 +94,29 @@ def test_products_by_shape_counts_each_product_by_hand_and_sums_to_the_flop_coun
     # the backward: input gradient [3, 5] x [5, 8] and weight gradient [5, 3] x [3, 8]
     assert sum(flops[k] for k in flops if k[0] == "aten::mm") == 2 * (2 * 3 * 5 * 8)
     assert sum(flops.values()) == tool.step_flops(work)
+
+
+def test_faults_compare_the_first_and_last_quarter_of_the_rounds(capsys):
+    """``--faults``: per case the median page faults and step over the first and the last quarter
+    of the rounds, and the step's ratio to Transformer-XL's over the same rounds (hand-computed
+    here: 8 rounds, quarters of 2)."""
+    tool = _tool()
+
+    class Case:
+        def __init__(self, name, times):
+            self.name, self.times = name, times
+
+    txl = Case("txl", [0.10, 0.10, 0.2, 0.2, 0.2, 0.2, 0.10, 0.12])
+    gate = Case("gate", [0.30, 0.34, 0.9, 0.9, 0.9, 0.9, 0.22, 0.22])
+    faults = {"txl": [0, 2, 5, 5, 5, 5, 0, 0], "gate": [900, 1100, 7, 7, 7, 7, 2, 4]}
+    tool.print_faults([txl, gate], faults, lambda c: txl)
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        out[0].split()
+        == "faults txl first 2: 1 faults 100.0 ms 1.00x txl | last 2: 0 faults 110.0 ms 1.00x txl".split()
+    )
+    assert (
+        out[1].split()
+        == "faults gate first 2: 1000 faults 320.0 ms 3.20x txl | last 2: 3 faults 220.0 ms 2.00x txl".split()
+    )
+    assert out[2].startswith("resident size ") and out[2].endswith(" MB")

@@ -28,7 +28,9 @@ operators where each case spends more than Transformer-XL (:func:`difference`); 
 ``--device cuda`` also the kernels by GPU time, how much of each step the GPU is busy (the
 kernels' time over the step's wall time) and how many kernels a step launches; ``--peak``
 each case's peak step memory as ``crtn-bench`` measures it; ``--eval`` evaluation steps
-instead (no optimiser, forward only under ``torch.no_grad``, as ``crtn-eval`` runs); ``--copies K`` builds K identical
+instead (no optimiser, forward only under ``torch.no_grad``, as ``crtn-eval`` runs); ``--faults``
+each case's page faults and step over the first and the last quarter of the rounds
+(:func:`print_faults`: whether the heap's growth weighs on the ratios); ``--copies K`` builds K identical
 cases of every row (Transformer-XL's too, named ``ROW_copy1``, ...), made after the others and
 timed in the same alternation: the spread between them is what one process's side-by-side
 ratios can resolve (docs/results.md, "What one process's side-by-side ratios resolve"); ``--products`` each case's matrix
@@ -46,6 +48,7 @@ import argparse
 import importlib.util
 import inspect
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -297,6 +300,11 @@ def main() -> None:
     )
     ap.add_argument("--eval", action="store_true", help="evaluation steps (no gradient) instead of training")
     ap.add_argument(
+        "--faults",
+        action="store_true",
+        help="page faults and step time, first and last quarter of the rounds",
+    )
+    ap.add_argument(
         "--copies",
         type=int,
         default=1,
@@ -339,11 +347,14 @@ def main() -> None:
         use(c)
         stepper.fill(c)
         step(c)
+    faults: dict[str, list[int]] = {c.name: [] for c in cases}
     for _ in range(a.rounds):
         for c in cases:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             step(c)
             c.times.append(time.perf_counter() - t)
+            faults[c.name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     by_name = {c.name: c for c in cases}
 
     def txl_of(c):  # a version's rows against the same version's Transformer-XL
@@ -354,6 +365,8 @@ def main() -> None:
         print(
             f"{c.name:24s} {1000 * m:9.1f} ms  {m / statistics.median(txl_of(c).times):5.2f}x txl", flush=True
         )
+    if a.faults:
+        print_faults(cases, faults, txl_of)
     for c in cases:  # the arithmetic beside the time: one more step of each, counted (txl first)
         c.flops = step_flops(lambda c=c: step(c))
         print(
@@ -395,6 +408,27 @@ def main() -> None:
             if cuda:
                 print(difference(device_ms[c.name], device_ms[cases[0].name], c.name, "GPU"))
     sys.stdout.flush()
+
+
+def print_faults(cases: list, faults: dict[str, list[int]], txl_of) -> None:
+    """``--faults``: per case, the median minor page faults of a step (pages the process touched
+    for the first time: the heap growing) and the median step over the first and the last quarter
+    of the rounds, its ratio to its Transformer-XL's over the same rounds; then the process's
+    resident size. Where the heap stops growing, the faults fall to about zero and the last
+    quarter's ratio is the steady state a long training run sees (``crtn.utils.tune_allocator``)."""
+    n = len(cases[0].times)
+    q = max(1, n // 4)
+    for c in cases:
+        f, t, ref = faults[c.name], c.times, txl_of(c).times
+        parts = []
+        for name, span in (("first", slice(0, q)), ("last", slice(n - q, n))):
+            m, m_ref = statistics.median(t[span]), statistics.median(ref[span])
+            parts.append(
+                f"{name} {q}: {statistics.median(f[span]):7.0f} faults {1000 * m:7.1f} ms {m / m_ref:5.2f}x txl"
+            )
+        print(f"faults {c.name:17s} " + " | ".join(parts), flush=True)
+    pages = int(Path("/proc/self/statm").read_text().split()[1]) if Path("/proc/self/statm").exists() else 0
+    print(f"resident size {pages * resource.getpagesize() / 2**20:.0f} MB", flush=True)
 
 
 def difference(
