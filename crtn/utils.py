@@ -28,8 +28,10 @@ def tune_allocator() -> bool:
     ``crtn-bench``). Raising the mmap and trim thresholds makes glibc reuse the memory
     instead, like a caching allocator (the resident size then stays at its peak). The heap can
     fragment: with many differently sized per-step tensors (selection inside attention) the
-    resident size can grow well past the live tensors for hundreds of steps, and those steps
-    still fault in fresh pages.
+    resident size can grow well past the live tensors for hundreds of steps, and the steps that
+    grow it still fault in fresh pages. The faults stop long before the resident size levels off,
+    and the step's ratio to Transformer-XL's stays what it was while they lasted
+    (docs/results.md, "The heap's growth and the side-by-side ratios").
 
     A no-op on non-glibc systems or when ``CRTN_NO_MALLOC_TUNING`` is set. Call it once,
     before large allocations. Returns whether the thresholds were set.
