@@ -103,13 +103,12 @@ def test_faults_compare_the_first_and_last_quarter_of_the_rounds(capsys):
     tool = _tool()
 
     class Case:
-        def __init__(self, name, times):
-            self.name, self.times = name, times
+        def __init__(self, name, times, faults):
+            self.name, self.times, self.faults = name, times, faults
 
-    txl = Case("txl", [0.10, 0.10, 0.2, 0.2, 0.2, 0.2, 0.10, 0.12])
-    gate = Case("gate", [0.30, 0.34, 0.9, 0.9, 0.9, 0.9, 0.22, 0.22])
-    faults = {"txl": [0, 2, 5, 5, 5, 5, 0, 0], "gate": [900, 1100, 7, 7, 7, 7, 2, 4]}
-    tool.print_faults([txl, gate], faults, lambda c: txl)
+    txl = Case("txl", [0.10, 0.10, 0.2, 0.2, 0.2, 0.2, 0.10, 0.12], [0, 2, 5, 5, 5, 5, 0, 0])
+    gate = Case("gate", [0.30, 0.34, 0.9, 0.9, 0.9, 0.9, 0.22, 0.22], [900, 1100, 7, 7, 7, 7, 2, 4])
+    tool.print_faults([txl, gate], lambda c: txl)
     out = capsys.readouterr().out.splitlines()
     assert (
         out[0].split()

@@ -48,6 +48,21 @@ def _check(w: int, s: int, ties: bool) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
+def _record_chunks(monkeypatch, check=None) -> list[tuple[int, int]]:
+    """Record the slot span of every chunk :func:`rowmatch._chunk_sums` scores (after ``check`` of
+    its rows, where given); ``monkeypatch.undo()`` restores it."""
+    spans, chunk_sums = [], rowmatch._chunk_sums
+
+    def spy(query, rows, lead, *, span, w):
+        if check is not None:
+            check(rows)
+        spans.append(span)
+        return chunk_sums(query, rows, lead, span=span, w=w)
+
+    monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
+    return spans
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 1 << 21], ids=["one_slot", "two_slots", "one_chunk"])
 @pytest.mark.parametrize(("w", "s"), CASES)
 def test_row_match_equals_the_per_token_loop(monkeypatch, w, s, chunk):
@@ -73,17 +88,11 @@ def test_rows_of_another_dtype_are_cast_a_chunk_at_a_time(monkeypatch, w, s):
     G, n, Ls, d = rows.shape
     assert 2 * G * query.shape[1] * (Ls + w - 1 + s) < G * Ls * d  # per slot the copy is the larger
     monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * G * Ls * d)
-    spans, chunk_sums = [], rowmatch._chunk_sums
-
-    def spy(query, rows, lead, *, span, w):
-        spans.append(span)
-        return chunk_sums(query, rows, lead, span=span, w=w)
-
-    monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
+    spans = _record_chunks(monkeypatch)
     got = ngram_row_scores(query, rows32, lead32, ngram=w, shift=s)
     (g_got,) = torch.autograd.grad(got.sum(), query)
     assert spans and all(i1 - i0 <= 2 for i0, i1 in spans)
-    monkeypatch.setattr(rowmatch, "_chunk_sums", chunk_sums)
+    monkeypatch.undo()
     want = ngram_row_scores(
         query, rows32.double(), None if lead32 is None else lead32.double(), ngram=w, shift=s
     )
@@ -202,22 +211,19 @@ def test_bfloat16_rows_can_multiply_in_the_query_s_dtype_without_gradient(monkey
     monkeypatch.setattr(
         rowmatch, "CHUNK_ELEMENTS", 2 * max(G * Ls * d, G * query.shape[1] * (Ls + w - 1 + s))
     )
-    spans, chunk_sums = [], rowmatch._chunk_sums
 
-    def spy(query, rows, lead, *, span, w):
+    def stored(rows):
         assert rows.dtype == torch.bfloat16  # the caller's rows as stored, not a cast copy
-        spans.append(span)
-        return chunk_sums(query, rows, lead, span=span, w=w)
 
     def refuse(*a, **kw):
         raise AssertionError("the bfloat16 products were taken")
 
-    monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
+    spans = _record_chunks(monkeypatch, check=stored)
     monkeypatch.setattr(rowmatch, "_row_max_bf16", refuse)
     with torch.no_grad():
         got = ngram_row_scores(query, rows16, lead16, ngram=w, shift=s, bf16_products=False)
     assert spans and all(i1 - i0 <= 2 for i0, i1 in spans)
-    monkeypatch.setattr(rowmatch, "_chunk_sums", chunk_sums)
+    monkeypatch.undo()
     with torch.no_grad():
         want = ngram_row_scores(
             query, rows16.float(), None if lead16 is None else lead16.float(), ngram=w, shift=s

@@ -347,14 +347,15 @@ def main() -> None:
         use(c)
         stepper.fill(c)
         step(c)
-    faults: dict[str, list[int]] = {c.name: [] for c in cases}
+    for c in cases:
+        c.faults = []  # minor page faults of each timed step, beside c.times
     for _ in range(a.rounds):
         for c in cases:
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             step(c)
             c.times.append(time.perf_counter() - t)
-            faults[c.name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            c.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     by_name = {c.name: c for c in cases}
 
     def txl_of(c):  # a version's rows against the same version's Transformer-XL
@@ -366,7 +367,7 @@ def main() -> None:
             f"{c.name:24s} {1000 * m:9.1f} ms  {m / statistics.median(txl_of(c).times):5.2f}x txl", flush=True
         )
     if a.faults:
-        print_faults(cases, faults, txl_of)
+        print_faults(cases, txl_of)
     for c in cases:  # the arithmetic beside the time: one more step of each, counted (txl first)
         c.flops = step_flops(lambda c=c: step(c))
         print(
@@ -410,7 +411,7 @@ def main() -> None:
     sys.stdout.flush()
 
 
-def print_faults(cases: list, faults: dict[str, list[int]], txl_of) -> None:
+def print_faults(cases: list, txl_of) -> None:
     """``--faults``: per case, the median minor page faults of a step (pages the process touched
     for the first time: the heap growing) and the median step over the first and the last quarter
     of the rounds, its ratio to its Transformer-XL's over the same rounds; then the process's
@@ -419,7 +420,7 @@ def print_faults(cases: list, faults: dict[str, list[int]], txl_of) -> None:
     n = len(cases[0].times)
     q = max(1, n // 4)
     for c in cases:
-        f, t, ref = faults[c.name], c.times, txl_of(c).times
+        f, t, ref = c.faults, c.times, txl_of(c).times
         parts = []
         for name, span in (("first", slice(0, q)), ("last", slice(n - q, n))):
             m, m_ref = statistics.median(t[span]), statistics.median(ref[span])
