@@ -31,17 +31,27 @@ def _ln(x: Tensor, ln) -> Tensor:
 
 
 def attend_token(
-    attn, h_j: Tensor, rows: Tensor, val_scale: Tensor, dist: Tensor, u: Tensor, v: Tensor, clamp_len: int
+    attn,
+    h_j: Tensor,
+    rows: Tensor,
+    val_scale: Tensor,
+    dist: Tensor,
+    u: Tensor,
+    v: Tensor,
+    clamp_len: int,
+    match_dist: Tensor | None = None,
 ) -> Tensor:
     """Attention of one query token over an explicit context (Dai et al. 2019, eq. A_rel; docs/method.md §2-3).
 
     A_c = (q + u).(W_kE x_c) + (q + v).(W_kR R_{dist_c});  a = sum_c softmax(A/sqrt(dh))_c * s_c W_v x_c
     where x = LN(row) for pre_lnorm else row, and s_c is the value scale (alpha for
-    retrieved rows when weighted, else 1).
+    retrieved rows when weighted, else 1). With ``match_dist`` (``cache.pos=match``) a row c whose
+    entry is >= 0 scores (q + v).(W_kR R_{match_dist_c}) on top.
 
     Args:
         h_j: [d] layer input of the query token; rows: [C, d] layer inputs of the context;
-        val_scale: [C]; dist: [C] relative distances (query position - row position).
+        val_scale: [C]; dist: [C] relative distances (query position - row position);
+        match_dist: [C] the second distance of each row, -1 where it has none.
 
     Returns:
         [d] the attention sub-layer output (residual and LayerNorm applied).
@@ -58,6 +68,12 @@ def attend_token(
     dist = dist.clamp(max=clamp_len) if clamp_len > 0 else dist
     r = (sinusoid(dist, d).to(rows.dtype) @ attn.r_net.weight.T).view(-1, H, dh)
     score = torch.einsum("hd,chd->hc", q + u, k) + torch.einsum("hd,chd->hc", q + v, r)
+    if match_dist is not None:
+        has = match_dist >= 0
+        m_dist = match_dist.clamp(min=0)
+        m_dist = m_dist.clamp(max=clamp_len) if clamp_len > 0 else m_dist
+        r2 = (sinusoid(m_dist, d).to(rows.dtype) @ attn.r_net.weight.T).view(-1, H, dh)
+        score = score + torch.einsum("hd,chd->hc", q + v, r2) * has
     prob = torch.softmax(score / math.sqrt(dh), -1)
     out = attn.o_net(torch.einsum("hc,chd->hd", prob, val).reshape(H * dh))
     return h_j + out if pre else _ln(h_j + out, attn.layer_norm)
@@ -74,11 +90,13 @@ def feed_forward(ff, x: Tensor) -> Tensor:
 
 @dataclass
 class Retrieved:
-    """One retrieved segment of one token: states [n+1, Ls, d], weight, stream position."""
+    """One retrieved segment of one token: states [n+1, Ls, d], weight, stream position, and the
+    row r* that attains its token_max score (for ``cache.pos=match``)."""
 
     states: Tensor
     alpha: float | Tensor
     pos: int
+    row: int | None = None
 
 
 def naive_segment(
@@ -100,7 +118,9 @@ def naive_segment(
         t0: stream position of tokens[0]; memory row r sits at t0 - M + r.
         retrieved: per token, its retrieved segments ordered oldest first (CRTN main pass).
         pos_mode: ``concat``: context positions are contiguous (retrieved rows then memory
-            then segment); ``real``: true stream distances.
+            then segment); ``real``: true stream distances; ``match``: those of ``concat``, and a
+            retrieved row r of a segment whose best match is row r* also at distance
+            m + L + Ls + r* - r (m = ``model.mem_len``, L = ``model.tgt_len``).
         hide_mem: the first ``hide_mem`` memory rows are invisible (fixed_length_2).
         same_length: Transformer-XL's ``same_length``: when M + L > mem_len every token
             sees only the positions at distance < mem_len.
@@ -119,7 +139,7 @@ def naive_segment(
         v = attn.r_r_bias if model.untie_r else model.r_r_bias
         out = []
         for j in range(L):
-            rows, scale, dist = [], [], []
+            rows, scale, dist, match = [], [], [], []
             segs = [] if retrieved is None or layer_i < retrieve_from else retrieved[j]
             n_ret = sum(s.states.shape[1] for s in segs)
             c = 0
@@ -132,6 +152,8 @@ def naive_segment(
                         dist.append((t0 + j) - (seg.pos + r))
                     else:
                         dist.append((n_ret + M + j) - c)
+                    if pos_mode == "match":
+                        match.append(model.mem_len + model.tgt_len + Ls + seg.row - r)
                     c += 1
             for r in range(hide_mem, M):
                 rows.append(mem[layer_i][r])
@@ -141,12 +163,14 @@ def naive_segment(
                 rows.append(h[r])
                 scale.append(1.0)
                 dist.append(j - r)
+            match += [-1] * (len(dist) - len(match))  # memory and segment rows: no second term
             if same_length and M + L > model.mem_len:
                 keep = [i for i, x in enumerate(dist) if x < model.mem_len]
                 rows, scale, dist = [rows[i] for i in keep], [scale[i] for i in keep], [dist[i] for i in keep]
             rows_t = torch.stack(rows)
             scale_t = torch.stack([torch.as_tensor(s, dtype=h.dtype) for s in scale])
-            a = attend_token(attn, h[j], rows_t, scale_t, torch.tensor(dist), u, v, model.clamp_len)
+            m_dist = torch.tensor(match) if pos_mode == "match" else None
+            a = attend_token(attn, h[j], rows_t, scale_t, torch.tensor(dist), u, v, model.clamp_len, m_dist)
             out.append(feed_forward(layer.pos_ff, a))
         h = torch.stack(out)
         hs.append(h)
@@ -235,14 +259,17 @@ def _cos(a: Tensor, b: Tensor) -> Tensor:
     return a @ b / norm if norm > 0 else (a @ b) * 0
 
 
-def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None) -> Tensor:
+def naive_ngram_score(
+    summary, qs: list[Tensor], j: int, rows: Tensor, lead: Tensor | None, with_row: bool = False
+) -> Tensor | tuple[Tensor, int]:
     """token_max with ``summary.ngram`` w and ``summary.shift`` s: max over rows r of
     (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> / sqrt(d_key) (with ``summary.cosine`` the cosine of
     each pair, unscaled), one term at a time. ``qs``: the queries of R_prev then R_cur ([L]
-    each, j indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms)."""
+    each, j indexes R_cur); ``lead``: the predecessor slot's rows [Ls, d] or None (zero terms).
+    ``with_row``: also the first row r that attains the max (r*)."""
     w, shift, L = summary.ngram, summary.shift, len(qs) // 2
     Ls, d = rows.shape
-    best = None
+    best, best_r = None, -1
     for r in range(Ls):
         total = torch.zeros((), dtype=rows.dtype)
         for a in range(w):
@@ -257,13 +284,14 @@ def naive_ngram_score(summary, qs: list[Tensor], j: int, rows: Tensor, lead: Ten
                 q, row = summary.proj_q.weight @ q, summary.proj_k.weight @ row
             total = total + (_cos(q, row) if summary.cosine else q @ row)
         s = total / w if summary.cosine else total / w / math.sqrt(summary.d_key)
-        best = s if best is None or s > best else best
-    return best
+        if best is None or s > best:
+            best, best_r = s, r
+    return (best, best_r) if with_row else best
 
 
 def naive_ngram_row_scores(
-    query: Tensor, rows: Tensor, lead: Tensor | None, ngram: int, shift: int
-) -> Tensor:
+    query: Tensor, rows: Tensor, lead: Tensor | None, ngram: int, shift: int, with_row: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """token_max's unscaled row match, one dot product at a time (docs/method.md §3, "Summaries"):
     out[g, j, i] = max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>, with row_{-m} = lead[w-1+s-m]
     (the predecessor's last rows). The max is ``torch.amax`` over the per-row scores, so a max
@@ -271,20 +299,22 @@ def naive_ngram_row_scores(
 
     Args:
         query: [G, w-1+L, d]; rows: [G, n, Ls, d]; lead: [G, n, w-1+s, d] or None (w-1+s = 0).
+        with_row: also the first row that attains each max (r*).
 
     Returns:
-        [G, L, n].
+        [G, L, n], and with ``with_row`` r* [G, L, n] long.
     """
     G, Lq, _ = query.shape
     n, Ls = rows.shape[1], rows.shape[2]
     w, n_lead = ngram, ngram - 1 + shift
-    out = []
+    out, best_rows = [], torch.zeros(G, Lq - w + 1, n, dtype=torch.long)
     for g in range(G):
         per_token = []
         for j in range(Lq - w + 1):
             per_slot = []
             for i in range(n):
                 per_row = []
+                best = None
                 for r in range(Ls):
                     total = torch.zeros((), dtype=query.dtype)
                     for a in range(w):
@@ -292,10 +322,12 @@ def naive_ngram_row_scores(
                         row = rows[g, i, m] if m >= 0 else lead[g, i, n_lead + m]
                         total = total + query[g, j + w - 1 - a] @ row
                     per_row.append(total / w)
+                    if best is None or total > best:  # the first row that attains the max
+                        best, best_rows[g, j, i] = total, r
                 per_slot.append(torch.stack(per_row).amax())
             per_token.append(torch.stack(per_slot))
         out.append(torch.stack(per_token))
-    return torch.stack(out)
+    return (torch.stack(out), best_rows) if with_row else torch.stack(out)
 
 
 @dataclass
@@ -454,7 +486,15 @@ class NaiveCRTN:
             retrieved = []
             k = min(m.top_k, len(st.slots))
             for j in range(L):
-                if m.summary.ngram > 1 or m.summary.shift > 0:
+                best_rows = [None] * len(st.slots)
+                if c.pos == "match":  # token_max: each slot's best row too
+                    qs = queries if len(queries) == 2 * L else [queries[0] * 0] * L + queries
+                    scored = [
+                        naive_ngram_score(m.summary, qs, j, sl.key, self._lead(sl), True) for sl in st.slots
+                    ]
+                    s = torch.stack([x for x, _ in scored])
+                    best_rows = [r for _, r in scored]
+                elif m.summary.ngram > 1 or m.summary.shift > 0:
                     s = torch.stack(
                         [naive_ngram_score(m.summary, queries, j, sl.key, self._lead(sl)) for sl in st.slots]
                     )
@@ -466,7 +506,9 @@ class NaiveCRTN:
                 ]
                 alpha = naive_alpha(s, top, c.alpha_norm)
                 top = sorted(top, key=lambda i: st.slots[i].pos)  # oldest first
-                retrieved.append([Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos) for i in top])
+                retrieved.append(
+                    [Retrieved(st.slots[i].states, alpha[i], st.slots[i].pos, best_rows[i]) for i in top]
+                )
                 selected[j] = [(st.slots[i].pos, float(alpha[i].detach())) for i in top]
         hs = self._pass(tokens, st.mem, t0, retrieved)
         logp = m.crit.log_prob(F.dropout(hs[-1], 0.0))

@@ -155,6 +155,12 @@ CASES = [
     Case("top_k negative", "crtn-train", [*T, "cache.top_k=-1"], ["cache.top_k=-1"]),
     Case("n_slot negative", "crtn-train", [*T, "cache.n_slot=-1"], ["cache.n_slot=-1"]),
     Case("n_slot with txl", "crtn-train", [*T, "model=txl", "cache.n_slot=4"], ["cache.n_slot=4", "txl"]),
+    Case(
+        "pos=match without token_max",
+        "crtn-train",
+        [*T, "summary=mean", "cache.pos=match"],
+        ["cache.pos=match", "needs summary=token_max, not summary=mean"],
+    ),
     Case("query/summary pairing", "crtn-train", [*T, "query=token", "summary=identity"], ["identity"]),
     Case("data.name", "crtn-train", [*T, "data.name=foo"], ["data.name='foo'"]),
     Case("lr 0", "crtn-train", [*T, "optim.lr=0"], ["optim.lr=0"]),

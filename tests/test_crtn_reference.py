@@ -207,6 +207,33 @@ NEW_OPTIONS = {
         "query.strategy": "token",
         "summary.name": "token_max",
     },
+    # positions aligned on each selected slot's best-matching row (cache.pos=match): alpha over
+    # every slot (the row match's gradient path), at alpha 1 in crtn's default layers, a single-row
+    # match with learned maps, and distances clamped with a pair of biases per layer
+    "match_ngram2": {"summary.name": "token_max", "summary.ngram": 2, "cache.pos": "match"},
+    "match_default_cache": {
+        "model.n_layer": 3,
+        "cache.layers": 2,
+        "cache.top_k": 1,
+        "cache.alpha_norm": "topk",
+        "summary.name": "token_max",
+        "summary.ngram": 3,
+        "cache.pos": "match",
+    },
+    "match_ngram1_shift0_proj": {
+        "summary.name": "token_max",
+        "summary.ngram": 1,
+        "summary.shift": 0,
+        "summary.d_key": 6,
+        "cache.pos": "match",
+    },
+    "match_clamp_untie_pre_ln": {
+        "summary.name": "token_max",
+        "cache.pos": "match",
+        "model.clamp_len": 10,
+        "model.untie_r": True,
+        "model.pre_lnorm": True,
+    },
 }
 
 

@@ -113,6 +113,10 @@ def test_each_layer_selects_on_its_own():
             "cache.key_layer=2 applies to the query strategies, not query=gate",
         ),
         (["query=gate", "summary=linear"], "query=gate cannot be paired with summary=linear"),
+        (
+            ["query=gate", "summary=token_max", "cache.pos=match"],
+            "cache.pos=match places rows by the query pass",
+        ),
     ],
 )
 def test_gate_options_are_checked_with_one_line(overrides, needle):

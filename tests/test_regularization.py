@@ -75,12 +75,12 @@ class _Warp(nn.Module):
         return x * (1 + 0.5 * torch.sin(7 * x)) if x.dim() == 2 else x
 
 
-@pytest.mark.parametrize("pos", ["concat", "real"])
-def test_position_embeddings_are_treated_alike_in_both_pos_modes(pos, monkeypatch):
-    """In training, cache.pos=real drops out the position embeddings of retrieved rows as
-    cache.pos=concat does: with the dropout replaced by a fixed transformation of
-    the embeddings, both modes equal the naive reference whose sinusoids are transformed
-    the same way."""
+@pytest.mark.parametrize("pos", ["concat", "real", "match"])
+def test_position_embeddings_are_treated_alike_in_every_pos_mode(pos, monkeypatch):
+    """In training, cache.pos=real and match drop out the position embeddings of retrieved rows
+    as cache.pos=concat does: with the dropout replaced by a fixed transformation of the
+    embeddings, every mode equals the naive reference whose sinusoids are transformed the same
+    way (match: token_max, whose best rows place the second term)."""
     warp = _Warp()
     plain = reference.sinusoid
     monkeypatch.setattr(reference, "sinusoid", lambda dist, d: warp(plain(dist, d)))
@@ -92,4 +92,5 @@ def test_position_embeddings_are_treated_alike_in_both_pos_modes(pos, monkeypatc
         return m
 
     monkeypatch.setattr("tests.test_crtn_reference.tiny_model", warped_model)
-    run_both(steps=6, **{"cache.pos": pos, "model.clamp_len": 7})
+    match = {"summary.name": "token_max", "summary.ngram": 2} if pos == "match" else {}
+    run_both(steps=6, **{"cache.pos": pos, "model.clamp_len": 7, **match})

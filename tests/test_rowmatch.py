@@ -269,6 +269,58 @@ def test_lead_in_named_by_slot_scores_as_the_gathered_rows(monkeypatch, w, s, ch
     assert float((got - gathered).abs().max()) <= bound
 
 
+@pytest.mark.parametrize("path", ["gradient", "no_gradient", "bfloat16_row_by_row", "bfloat16_batched"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_best_rows_are_the_first_rows_that_attain_each_max(monkeypatch, w, s, path):
+    """``best_row`` (``cache.pos=match``) gives, for every query and slot, the first row whose
+    n-gram sum is the max, as the naive loop finds it, on every path: with a gradient, without,
+    and from bfloat16 rows (row by row and batched), with chunks of two slots. The vectors are
+    small integers, so every product and sum is exact in bfloat16 and float32 and equal maxima are
+    common: the first row must win where several attain the max. The scores are unchanged."""
+    gen = torch.Generator().manual_seed(7 * w + s)
+    ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
+    query, rows = ints(2, w - 1 + 4, 6), ints(2, 5, 3, 6)
+    lead = ints(2, 5, w - 1 + s, 6) if w - 1 + s > 0 else None
+    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
+    assert (want_rows > 0).any() and (want_rows < 2).any()  # not one row everywhere
+    elements = 2 * (w - 1 + 4) * (3 + w - 1 + s)
+    if path.startswith("bfloat16"):
+        _rows_at_a_time(monkeypatch, path.endswith("by_row"), elements)
+        query, rows, lead = query.float(), rows.bfloat16(), None if lead is None else lead.bfloat16()
+    else:
+        monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * elements)
+    if path == "gradient":
+        query.requires_grad_()
+    got, got_rows = ngram_row_scores(query, rows, lead, ngram=w, shift=s, best_row=True)
+    assert got_rows.dtype == torch.long
+    assert torch.equal(got_rows, want_rows)
+    # float32 scores: exact sums, rounded by the 1/w
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-12 if got.dtype == torch.float64 else 1e-6)
+
+
+def test_best_rows_of_slots_scored_again_from_their_lead_in():
+    """From bfloat16 rows with a lead-in named by slot (:class:`rowmatch.LeadIn`) on a CPU, slots
+    whose lead-in is not the slot before are scored again from their gathered rows; their best
+    rows come from that second scoring: equal to the naive loop's on the lead-in gathered by hand
+    (the ring of the lead-in test above; small integers, exact in bfloat16)."""
+    gen = torch.Generator().manual_seed(3)
+    ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
+    w, s, n = 2, 1, 2
+    query, rows = ints(2, w - 1 + 4, 6), ints(2, 5, 3, 6)
+    pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
+    found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
+    lead = torch.zeros(2, 5, n, 6, dtype=torch.float64)
+    for g in range(2):
+        for i in range(5):
+            if found[g, i]:
+                lead[g, i] = rows[g, pred[g, i], 3 - n :]
+    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
+    by_slot = rowmatch.LeadIn(pred, found, n)
+    got, got_rows = ngram_row_scores(query.float(), rows.bfloat16(), by_slot, ngram=w, shift=s, best_row=True)
+    assert torch.equal(got_rows, want_rows)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)  # float32 scores, 1/w rounded
+
+
 @pytest.mark.parametrize("w", [1, 2, 3, 5, 6, 7, 8])
 def test_diagonal_window_sums_equal_the_loop(w):
     """The doubling window sums of the bfloat16 path, out[i, j] = sum_{b<w} x[i + b, j + b],

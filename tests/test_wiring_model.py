@@ -247,13 +247,22 @@ def check_weighted(ctx: Ctx) -> None:
 
 
 def check_pos(ctx: Ctx) -> None:
-    for spec, real in ((ctx.on, True), (ctx.off, False)):
-        assert build(spec).real_pos is real
-        with mock.patch.object(
-            retriever_module, "RealPositions", wraps=retriever_module.RealPositions
-        ) as spy:
-            selections(spec)
-        assert spy.called is real
+    """real: position terms at the rows' stream distances; concat: none besides the concatenated
+    context's; match (the base's summary is token_max): terms placed by each selection's best rows."""
+    match = ctx.spec("cache.pos=match", value=False)
+    for spec, mode in ((ctx.on, "real"), (ctx.off, "concat"), (match, "match")):
+        assert build(spec).pos_mode == mode
+        with (
+            mock.patch.object(
+                retriever_module, "RealPositions", wraps=retriever_module.RealPositions
+            ) as real,
+            mock.patch.object(
+                retriever_module, "MatchPositions", wraps=retriever_module.MatchPositions
+            ) as by_row,
+        ):
+            found = selections(spec)
+        assert real.called is (mode == "real") and by_row.called is (mode == "match")
+        assert all((sel.row is not None) is (mode == "match") for sel in found)
 
 
 def check_backend(ctx: Ctx) -> None:

@@ -69,7 +69,8 @@ def shifted_distances(shift: int) -> Iterator[None]:
     def core_(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         cache, mem = bound.get("cache"), bound.get("mem")
-        rows["c"] = cache.k * cache.seg_len if cache is not None and bound.get("real_pos") is None else 0
+        kept = bound.get("positions") is None or bound["positions"].concat  # rows in the concatenated context
+        rows["c"] = cache.k * cache.seg_len if cache is not None and kept else 0
         m = 0 if mem is None else mem.shape[2]
         if rows["c"] and -shift > m:
             raise ValueError(f"shift {shift} moves retrieved rows past the memory's {m} rows")
@@ -78,8 +79,8 @@ def shifted_distances(shift: int) -> Iterator[None]:
         finally:
             rows["c"] = 0
 
-    def table_(self, K, real_pos, dtype, device):
-        return table(self, K + extra if rows["c"] else K, real_pos, dtype, device)
+    def table_(self, K, positions, dtype, device):
+        return table(self, K + extra if rows["c"] else K, positions, dtype, device)
 
     def rel_shift_(x):
         y = rel_shift(x)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from crtn.model import flex as flex_path
 from crtn.model.dropout import make_dropout
-from crtn.model.retrieved import CacheContext, RealPositions, attend_with_cache
+from crtn.model.retrieved import CacheContext, RetrievedPositions, attend_with_cache
 
 
 class PositionalEmbedding(nn.Module):
@@ -130,7 +130,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         mem: Tensor | None = None,
         cache: CacheContext | None = None,
         layer: int = 0,
-        real_pos: RealPositions | None = None,
+        positions: RetrievedPositions | None = None,
         mem_kv: Tensor | None = None,
         kv_out: list[Tensor] | None = None,
         flex_mask: flex_path.BlockMask | None = None,
@@ -148,7 +148,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             mem: [B, M, d] short-term memory S at this layer (gradient-stopped), or None.
             cache: the retrieved segments (CRTN main pass), or None.
             layer: index of this layer's input in ``cache.values``.
-            real_pos: position terms of retrieved rows for ``cache.pos=real``.
+            positions: position terms of retrieved rows for ``cache.pos=real`` or ``match``
+                (:mod:`crtn.model.retrieved`); None: those of the concatenated context alone.
             mem_kv: [B, M, 2 H d_h] keys and values of ``mem`` from :meth:`project_memory`,
                 when computed once for several passes over the same memory (CRTN).
             kv_out: a list that receives the keys and values of [memory; segment], [B, M+L, 2 H d_h]
@@ -190,9 +191,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                 lead = self._lead_queries(mem, rw_q, r_w_bias, n=cache.gate.summary.query_lead_rows)
                 sel, folded = cache.gate.select(self, layer, rw_q, lead)
                 cache = cache.selected(sel, folded)
-                real_pos = None if real_pos is None else real_pos.for_age(cache.age)
+                positions = None if positions is None else positions.for_age(cache.age)
             attn_vec = attend_with_cache(
-                self, score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, real_pos=real_pos
+                self, score, bd[..., :C], q=(rw_q, rr_q), v=v, cache=cache, layer=layer, positions=positions
             )
 
         return self._output(h, attn_vec)

@@ -53,7 +53,7 @@ from crtn.model.summary import Summary
 
 #: the options of the ``cache`` config node that this module implements
 ALPHA_NORMS = ("all", "topk", "original")
-POS_MODES = ("concat", "real")  # used by the attention (attention.py)
+POS_MODES = ("concat", "real", "match")  # used by the attention (retrieved.py)
 BACKENDS = ("torch", "faiss")
 FAISS_INDEXES = ("flat", "hnsw")
 
@@ -95,7 +95,9 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
 
     Raises:
         ConfigError: one line naming the key: negative sizes, an unknown option, faiss with
-            ``alpha_norm`` other than topk, or with a summary whose keys are several rows.
+            ``alpha_norm`` other than topk, or with a summary whose keys are several rows,
+            ``pos=match`` with a summary other than token_max (it places rows by token_max's best
+            match).
     """
     if spec.n_slot < 0 or spec.top_k < 0:
         raise ConfigError(f"cache.n_slot={spec.n_slot} and cache.top_k={spec.top_k} must be >= 0")
@@ -106,6 +108,11 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
     for key in ("dtype", "product_dtype"):
         if getattr(spec, key) is not None:
             check_choice(f"cache.{key}", getattr(spec, key), CACHE_DTYPES)
+    if spec.pos == "match" and summary.name != "token_max":
+        raise ConfigError(
+            f"cache.pos=match places retrieved rows by token_max's best-matching row: it needs "
+            f"summary=token_max, not summary={summary.name}"
+        )
     if spec.backend == "faiss":
         if spec.alpha_norm != "topk":
             raise ConfigError(
@@ -129,12 +136,15 @@ class Selection:
         alpha: [B, L, k] retrieval weights (differentiable w.r.t. the query).
         age: [B, L, k] tokens from the current segment's first token back to the first
             token of the selected segment (a multiple of Ls).
+        row: [B, L, k] long, the row r* of each selected slot that attains its score (token_max's
+            best match, 0..Ls-1; ``cache.pos=match``), or None where not asked for.
     """
 
     slot: Tensor
     flat_index: Tensor
     alpha: Tensor
     age: Tensor
+    row: Tensor | None = None
 
 
 class SegmentCache:
@@ -292,6 +302,7 @@ class SegmentCache:
         alpha_norm: str,
         t0: int,
         score_fn: Callable[[Tensor], Tensor] | None = None,
+        best_row: bool = False,
     ) -> Selection:
         """Top-k slots and weights for every token (docs/method.md §3 step 2).
 
@@ -304,6 +315,9 @@ class SegmentCache:
             score_fn: keys [B, n_valid, ...] -> scores [B, L, n_valid], replacing
                 ``summary.score(query, keys)`` for the torch backend (a strategy's fast path);
                 ``query`` may then be None.
+            best_row: also give each selected slot's best-matching row (:attr:`Selection.row`;
+                a summary whose keys are rows, scored by the torch backend without ``score_fn``:
+                :func:`resolve_cache` allows ``cache.pos=match`` with token_max alone).
 
         Returns:
             a :class:`Selection`.
@@ -329,23 +343,33 @@ class SegmentCache:
             self.select_seconds += time.perf_counter() - t_start
         else:
             keys = self.valid_keys()
+            rows = None
             if score_fn is not None:
                 scores = score_fn(keys)  # [B, L, nv]
-            elif self.summary.lead_rows > 0:  # token_max's n-gram match: the rows before each slot too
-                scores = self.summary.score(query, keys, lead=self._lead_in(self.summary.lead_rows))
             else:
-                scores = self.summary.score(query, keys)
+                # token_max's n-gram match: the rows before each slot too
+                lead = self._lead_in(self.summary.lead_rows) if self.summary.lead_rows > 0 else None
+                if best_row:  # token_max (resolve_cache): the scores and the rows that attain them
+                    scores, rows = self.summary.score(query, keys, lead=lead, best_row=True)
+                elif lead is not None:
+                    scores = self.summary.score(query, keys, lead=lead)
+                else:
+                    scores = self.summary.score(query, keys)
             self.select_seconds += time.perf_counter() - t_start
-            return self.choose(scores, top_k=top_k, alpha_norm=alpha_norm, t0=t0)
+            return self.choose(scores, top_k=top_k, alpha_norm=alpha_norm, t0=t0, rows=rows)
         return self._chosen(slot, alpha, t0=t0)
 
-    def choose(self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int) -> Selection:
+    def choose(
+        self, scores: Tensor, *, top_k: int, alpha_norm: str, t0: int, rows: Tensor | None = None
+    ) -> Selection:
         """Top-k slots and their weights from given scores (docs/method.md §3 step 2).
 
         Args:
             scores: [B, ..., n_valid] scores of the filled slots: [B, L] tokens for
                 a query strategy, [B, L, G] tokens and head groups for selection inside attention.
             top_k, alpha_norm, t0: as in :meth:`select`.
+            rows: the scores' shape, long: the row of each slot that attains its score, or None
+                (:attr:`Selection.row` is then None).
 
         Returns:
             a :class:`Selection` whose tensors have the scores' leading shape and k last.
@@ -360,7 +384,7 @@ class SegmentCache:
         else:
             alpha = torch.softmax(top_s, -1)
         self.select_seconds += time.perf_counter() - t_start
-        return self._chosen(slot, alpha, t0=t0)
+        return self._chosen(slot, alpha, t0=t0, row=None if rows is None else rows.gather(-1, slot))
 
     def _top(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k largest scores of [B, ..., n_valid] and their slots; equal scores go to the most
@@ -377,17 +401,18 @@ class SegmentCache:
         ranked, idx = ordered.sort(dim=-1, descending=True, stable=True)
         return ranked[..., :k], order.gather(-1, idx[..., :k])
 
-    def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int) -> Selection:
-        """The selection of ``slot`` [B, ..., k] with weights ``alpha``, ordered by stream position
-        (oldest first)."""
+    def _chosen(self, slot: Tensor, alpha: Tensor, *, t0: int, row: Tensor | None = None) -> Selection:
+        """The selection of ``slot`` [B, ..., k] with weights ``alpha`` (and best rows ``row``, if
+        any), ordered by stream position (oldest first)."""
         assert self.pos is not None
         B = slot.shape[0]
         pos = self.pos.gather(1, slot.reshape(B, -1)).view(slot.shape)
         order = pos.argsort(-1)
         slot, pos, alpha = slot.gather(-1, order), pos.gather(-1, order), alpha.gather(-1, order)
+        row = None if row is None else row.gather(-1, order)
         rows = torch.arange(B, device=slot.device) * self.n_slot
         flat = slot + rows.view(B, *[1] * (slot.dim() - 1))
-        return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos)
+        return Selection(slot=slot, flat_index=flat, alpha=alpha, age=t0 - pos, row=row)
 
     # ------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:

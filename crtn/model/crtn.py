@@ -117,7 +117,7 @@ class CRTN(TransformerLM):
         # selection needs no gradient (cache.alpha_is_one), so the summary's and query's weights
         # get none (they could not learn: the scores reach the loss only through the argmax)
         self.weighted = c.weighted and not alpha_is_one(c.alpha_norm, c.top_k)
-        self.real_pos, self.detach = c.pos == "real", spec.query.detach
+        self.pos_mode, self.detach = c.pos, spec.query.detach  # cache.pos: the retrieved rows' positions
         # dtype of the retrieved attention's products (cache.product_dtype; None: as stored)
         self.product_dtype = torch_dtype(c.product_dtype)
         # R_prev is kept for the strategies that read it and for the summaries' query lead-in (a gate
@@ -177,6 +177,11 @@ class CRTN(TransformerLM):
                 )
             if cache.backend == "faiss":
                 raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
+            if cache.pos == "match":
+                raise ConfigError(
+                    "cache.pos=match places rows by the query pass's best match, and query=gate has "
+                    "none (each layer selects inside attention): use cache.pos=concat or real"
+                )
         return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
@@ -260,7 +265,7 @@ class CRTN(TransformerLM):
             tokens,
             state.mem,
             cache=found.context,
-            real_pos=found.real_pos,
+            positions=found.positions,
             mem_kv=kv.mem,
             layers=(self.retrieve_from, self.n_layer),
             h=None if below is None else below[-1],

@@ -111,7 +111,7 @@ def attend_with_cache(
     v: Tensor,
     cache: CacheContext,
     layer: int,
-    real_pos: RealPositions | None,
+    positions: RealPositions | MatchPositions | None,
 ) -> Tensor:
     """Joint softmax over [retrieved rows; memory; segment] without projecting retrieved rows
     (module docstring; docs/method.md §3 step 3).
@@ -120,11 +120,13 @@ def attend_with_cache(
         attn: the layer's :class:`crtn.model.attention.RelPartialLearnableMultiHeadAttn` (its
             W_{k,E}, W_v, W_{k,R}, LayerNorm, attention dropout and scale).
         score: [B, H, L, M+L] memory/segment scores (unscaled, masked).
-        bd_cache: [B, H, L, C] position scores of the retrieved rows (``cache.pos=concat``).
+        bd_cache: [B, H, L, C] position scores of the retrieved rows at their places in the
+            concatenated context (``cache.pos=concat``; empty with ``real``).
         q: (rw_q, rr_q), [B, L, H, d_h] each: q + u and q + v.
         v: [B, M+L, H, d_h] values of memory and segment.
         cache: the retrieved segments; layer: this layer's index (its input in ``cache.values``).
-        real_pos: position terms of the retrieved rows for ``cache.pos=real``, else None.
+        positions: the position terms of the retrieved rows for ``cache.pos=real`` or ``match``;
+            None: ``bd_cache`` alone (``concat``).
 
     Returns:
         [B, L, H d_h] the attention vectors before the output projection.
@@ -139,10 +141,7 @@ def attend_with_cache(
     folded = fold(attn, rw_q) if cache.folded is None else cache.folded  # a gate's selection folded them
     ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=cache.product_dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
-    if real_pos is not None:
-        bd_c = real_pos.bd(rr_q, attn.r_net.weight)  # [B, H, L, C]
-    else:
-        bd_c = bd_cache
+    bd_c = bd_cache if positions is None else positions.bd(rr_q, attn.r_net.weight, concat=bd_cache)
     score_c = ac_c + bd_c
     prob = torch.softmax(torch.cat([score_c, score], -1) * attn.scale, dim=-1)
     prob = attn.dropatt(prob)
@@ -236,6 +235,10 @@ class RealPositions:
         dtype: compute dtype.
     """
 
+    #: whether the model keeps the concatenated context's position term of the retrieved rows
+    #: (``crtn.model.transformer.TransformerLM.core``): no, these terms replace it
+    concat = False
+
     def __init__(
         self,
         pos_emb: Any,
@@ -283,8 +286,9 @@ class RealPositions:
         )
         return out if self.table is None else out.with_table(self.table)
 
-    def bd(self, rr_q: Tensor, r_weight: Tensor) -> Tensor:
-        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
+    def bd(self, rr_q: Tensor, r_weight: Tensor, concat: Tensor | None = None) -> Tensor:
+        """(q_j + v).W_{k,R} R_{dist} for every retrieved row: rr_q [B, L, H, dh] -> [B, H, L, k*Ls]
+        (``concat``, the concatenated context's term, is not used: :attr:`concat` is False)."""
         B, L, H, dh = rr_q.shape
         d = r_weight.shape[1]
         if self.table is not None:
@@ -301,3 +305,76 @@ class RealPositions:
             bd_clamp = torch.einsum("blhd,d->bhl", w, self.r_clamp[0])[..., None, None]
             bd = torch.where(self.clamped[:, None], bd_clamp, bd)
         return bd.reshape(B, H, L, -1)
+
+
+class MatchPositions:
+    """Position terms aligned on each selected slot's best-matching row (``cache.pos=match``,
+    docs/method.md §3, "Positions of retrieved rows").
+
+    The concatenated context's term of a retrieved row (``concat``) is kept, and a second one is
+    added: row r of a slot whose best match (token_max's argmax, :attr:`crtn.model.cache.Selection.row`)
+    is row r* sits at distance c + r* - r from every query of the segment, c = m + L + Ls (one
+    segment beyond the memory's and the segment's distances 0 .. m + L - 1). Its score is
+    (q_j + v).W_{k,R} R_{c + r* - r}, the same W_{k,R} and v as every other distance. With
+    ``summary.shift`` 1 the row r* follows the matched n-gram (the token to copy), so the term
+    tells the attention which row of the slot is the copy's source: the alignment that a
+    contiguous placement gives only when the match lies at the slot's own offset.
+
+    Only 2 Ls - 1 distances occur, so the term costs one product [B, H, L, 2 Ls - 1] per layer
+    and a gather of each row's column, r* - r + Ls - 1. Where the model's position table is
+    dropped out in training, :meth:`with_table` hands it the same dropped rows (as
+    :class:`RealPositions`).
+
+    Args:
+        pos_emb: the model's :class:`crtn.model.attention.PositionalEmbedding`.
+        best_row: [B, L, k] long, r* of each retrieved segment (0 .. Ls - 1).
+        seg_len: Ls, rows per retrieved segment; offset: c, the distance of the matched row.
+        clamp_len: -1 for none; distances above it use R_{clamp_len}, as in Transformer-XL.
+        dtype: compute dtype.
+    """
+
+    concat = True
+
+    def __init__(
+        self, pos_emb: Any, best_row: Tensor, *, seg_len: int, offset: int, clamp_len: int, dtype: torch.dtype
+    ):
+        self.pos_emb, self.best_row, self.seg_len, self.offset = pos_emb, best_row, seg_len, offset
+        self.clamp_len, self.dtype = clamp_len, dtype
+        self.table: Tensor | None = None
+
+    @property
+    def max_dist(self) -> int:
+        """The largest distance of a term, c + Ls - 1 (tokens)."""
+        return self.offset + self.seg_len - 1
+
+    def with_table(self, table: Tensor) -> MatchPositions:
+        """Use ``table`` [D, d] (row i: the dropped-out embedding of distance i, clamped;
+        D > :attr:`max_dist`) for the terms; returns self."""
+        self.table = table
+        return self
+
+    def embeddings(self) -> Tensor:
+        """R of the distances c - Ls + 1 .. c + Ls - 1: [2 Ls - 1, d]."""
+        first, n = self.offset - self.seg_len + 1, 2 * self.seg_len - 1
+        if self.table is not None:
+            return self.table[first : first + n]
+        dist = torch.arange(first, first + n, device=self.best_row.device, dtype=torch.float)
+        if self.clamp_len > 0:
+            dist = dist.clamp(max=self.clamp_len)
+        return self.pos_emb(dist, self.dtype)
+
+    def bd(self, rr_q: Tensor, r_weight: Tensor, concat: Tensor | None = None) -> Tensor:
+        """``concat`` [B, H, L, k*Ls] plus (q_j + v).W_{k,R} R_{c + r* - r} for every retrieved row:
+        rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
+        B, L, H, dh = rr_q.shape
+        Ls, k = self.seg_len, self.best_row.shape[-1]
+        r_head = F.linear(self.embeddings(), r_weight).view(-1, H, dh)  # [2Ls-1, H, dh]
+        every = torch.einsum("blhe,the->bhlt", rr_q, r_head)  # [B, H, L, 2Ls-1]
+        r = torch.arange(Ls, device=rr_q.device)
+        column = (self.best_row[..., None] - r + (Ls - 1)).view(B, 1, L, k * Ls)  # distance c + r* - r
+        term = every.gather(-1, column.expand(B, H, L, k * Ls))
+        return term if concat is None else concat + term
+
+
+#: the position terms of retrieved rows other than the concatenated context's alone
+RetrievedPositions = RealPositions | MatchPositions

@@ -10,8 +10,8 @@ the cache. Two retrievers serve every query strategy:
 | :class:`InAttention`  | ``gate``                    | inside each retrieving layer, with its own attention queries (§3, "Selection inside attention"; ``gate.py``) |
 
 Either hands the layers a :class:`Found`: the :class:`crtn.model.retrieved.CacheContext` the
-attention reads (None while the cache is empty) and, for ``cache.pos=real``, the position terms of
-the rows it may read.
+attention reads (None while the cache is empty) and, for ``cache.pos=real`` or ``match``, the
+position terms of the rows it may read.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from crtn.model.cache import SegmentCache, Selection
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import Gate
 from crtn.model.query import QueryInputs
-from crtn.model.retrieved import CacheContext, RealPositions
+from crtn.model.retrieved import CacheContext, MatchPositions, RealPositions, RetrievedPositions
 
 if TYPE_CHECKING:  # the model imports this module
     from crtn.model.crtn import CRTN, CRTNState
@@ -38,14 +38,14 @@ class Found:
 
     Attributes:
         context: the cache rows the retrieving layers read (None: nothing to read this step).
-        real_pos: position terms of those rows for ``cache.pos=real``, else None.
+        positions: position terms of those rows for ``cache.pos=real`` or ``match``, else None.
         r_cur: [B, L, d] the query pass's R_cur, carried to the next step as R_prev, or None.
         selection: the query pass's selection [B, L, k], or None (a gate's is read from
             :attr:`context` once the layers ran: :meth:`reported`).
     """
 
     context: CacheContext | None = None
-    real_pos: RealPositions | None = None
+    positions: RetrievedPositions | None = None
     r_cur: Tensor | None = None
     selection: Selection | None = None
 
@@ -115,17 +115,7 @@ class QueryPass:
             first_layer=model.value_base,
             product_dtype=model.product_dtype,
         )
-        real_pos = None
-        if model.real_pos:
-            real_pos = RealPositions(
-                model.pos_emb,
-                selection.age,
-                seg_len=seg,
-                q_len=tokens.shape[1],
-                clamp_len=model.clamp_len,
-                dtype=model.dtype,
-            )
-        return Found(context, real_pos, r_cur, selection)
+        return Found(context, _positions(model, selection, seg=seg, q_len=tokens.shape[1]), r_cur, selection)
 
     def _select(
         self,
@@ -160,9 +150,41 @@ class QueryPass:
                     q = qs(model.summary, inputs)
                 c = model.spec.cache
                 selection = cache.select(
-                    q, top_k=c.top_k, alpha_norm=c.alpha_norm, t0=state.pos, score_fn=fast
+                    q,
+                    top_k=c.top_k,
+                    alpha_norm=c.alpha_norm,
+                    t0=state.pos,
+                    score_fn=fast,
+                    best_row=model.pos_mode == "match",
                 )
         return r_cur, selection
+
+
+def _positions(model: CRTN, selection: Selection, *, seg: int, q_len: int) -> RetrievedPositions | None:
+    """The position terms of a query pass's selection (``cache.pos``, docs/method.md §3,
+    "Positions of retrieved rows"): at the rows' stream distances (``real``), aligned on each
+    slot's best-matching row at c = m + L + Ls (``match``), or None (``concat``: the
+    concatenated context's term alone)."""
+    if model.pos_mode == "real":
+        return RealPositions(
+            model.pos_emb,
+            selection.age,
+            seg_len=seg,
+            q_len=q_len,
+            clamp_len=model.clamp_len,
+            dtype=model.dtype,
+        )
+    if model.pos_mode == "match":
+        assert selection.row is not None
+        return MatchPositions(
+            model.pos_emb,
+            selection.row,
+            seg_len=seg,
+            offset=model.mem_len + model.tgt_len + seg,
+            clamp_len=model.clamp_len,
+            dtype=model.dtype,
+        )
+    return None
 
 
 class InAttention:
@@ -198,12 +220,12 @@ class InAttention:
             gate_k=min(c.top_k, cache.n_valid),
             product_dtype=model.product_dtype,
         )
-        real_pos = None
-        if model.real_pos:
+        positions = None
+        if model.pos_mode == "real":  # cache.pos=match is refused with a gate (CRTN.resolve)
             assert cache.pos is not None
             L = tokens.shape[1]
             every = (state.pos - cache.pos[:, None, : cache.n_valid]).expand(-1, L, -1)  # [B, L, n_valid]
-            real_pos = RealPositions(
+            positions = RealPositions(
                 model.pos_emb,
                 every,
                 seg_len=seg_len(model, cache),
@@ -211,7 +233,7 @@ class InAttention:
                 clamp_len=model.clamp_len,
                 dtype=model.dtype,
             )
-        return Found(context, real_pos)
+        return Found(context, positions)
 
 
 #: the two retrievers, stateless (the step passes the model)

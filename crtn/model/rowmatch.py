@@ -71,7 +71,8 @@ def ngram_row_scores(
     shift: int,
     cosine: bool = False,
     bf16_products: bool = True,
-) -> Tensor:
+    best_row: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
     (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot;
     with ``cosine`` every row (lead-in rows included) is scored at unit length, <q, row / |row|>
@@ -102,9 +103,12 @@ def ngram_row_scores(
             (:func:`_row_max_bf16`); False: in the query's dtype, the rows cast chunk by chunk, as
             with a gradient (a caller whose training scores multiply in the query's dtype and
             whose evaluation must select as it trained).
+        best_row: return the row that attains each max too (``cache.pos=match``, docs/method.md §3,
+            "Positions of retrieved rows"): the first such row where several do.
 
     Returns:
-        [G, L, n] in the query's dtype.
+        [G, L, n] in the query's dtype; with ``best_row`` the pair (scores, rows [G, L, n] long,
+        each in 0..Ls-1).
 
     Raises:
         ValueError: ``lead`` is None although w-1+s > 0, or its row count is not w-1+s, or a
@@ -123,15 +127,16 @@ def ngram_row_scores(
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
     if no_grad and bf16_products and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
-        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine)
+        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine, best_row=best_row)
     if cosine:
         rows = F.normalize(rows.to(query.dtype), dim=-1)
         lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, Tensor) else lead
     if isinstance(lead, LeadIn):  # the other paths read the lead-in rows themselves
         lead = lead.rows(rows)
     if no_grad:
-        return _row_max(query, rows, lead, w=ngram)
-    return _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
+        return _row_max(query, rows, lead, w=ngram, best_row=best_row)
+    scores, where = _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
+    return (scores, where) if best_row else scores
 
 
 def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True) -> int:
@@ -177,23 +182,38 @@ def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple
     return total
 
 
-def _row_max(query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int) -> Tensor:
-    """:func:`ngram_row_scores` where no gradient is needed: the chunks' maxima only, without the
-    rows that attain them or the check for ties that the backward pass of :class:`_NgramRowMax`
-    reads. Returns [G, L, n]."""
+def _row_max(
+    query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int, best_row: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`ngram_row_scores` where no gradient is needed: the chunks' maxima only (and with
+    ``best_row`` the rows that attain them), without the check for ties that the backward pass of
+    :class:`_NgramRowMax` reads. Returns [G, L, n], or that and the rows [G, L, n] long."""
     G, Lq, _ = query.shape
     N = rows.shape[1]
     step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
     best = query.new_empty(G, Lq - w + 1, N)
+    where = torch.empty(best.shape, dtype=torch.long, device=query.device) if best_row else None
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
-        best[:, :, i0:i1] = _chunk_sums(query, rows, lead, span=(i0, i1), w=w).amax(-1)
-    return best * (1.0 / w) if w > 1 else best
+        sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)
+        if where is None:
+            best[:, :, i0:i1] = sums.amax(-1)
+        else:
+            best[:, :, i0:i1], where[:, :, i0:i1] = sums.max(-1)
+    best = best * (1.0 / w) if w > 1 else best
+    return best if where is None else (best, where)
 
 
 def _row_max_bf16(
-    query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, w: int, n_lead: int, cosine: bool
-) -> Tensor:
+    query: Tensor,
+    rows: Tensor,
+    lead: Tensor | LeadIn | None,
+    *,
+    w: int,
+    n_lead: int,
+    cosine: bool,
+    best_row: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
     bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
     result rounded to bfloat16), the w products of an n-gram summed and the max taken in the
@@ -217,7 +237,8 @@ def _row_max_bf16(
     again from their gathered lead-in, which finding them costs a host sync. Off the CPU the
     lead-in rows are gathered instead (:meth:`LeadIn.rows`): a cheap copy there, while a host sync
     stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows
-    per slot (0 without ``lead``). Returns [G, L, n]."""
+    per slot (0 without ``lead``). Returns [G, L, n], and with ``best_row`` the rows [G, L, n]
+    long that attain the maxima (the first of several equal ones)."""
     G, Lq, d = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
@@ -229,45 +250,76 @@ def _row_max_bf16(
     q_t = query.to(torch.bfloat16).transpose(1, 2)  # [G, d, Lq]
     step = _chunk_slots(query[:1] if one_row else query, rows, n_lead, cast=False)
     best = query.new_empty(G, N, L)
+    where = torch.empty(best.shape, dtype=torch.long, device=query.device) if best_row else None
     for gs in [slice(g, g + 1) for g in range(G)] if one_row else [slice(None)]:
         q_g = q_t[gs]  # [Gb, d, Lq]
         Gb = q_g.shape[0]
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
-            n = i1 - i0
-            if by_pred:  # products of slots i0-1 .. i1-1; slot i's ext starts n_lead rows before its own
-                prod = query.new_empty(Gb, n + 1, Ls, Lq)
-                j0 = max(i0 - 1, 0)
-                if i0 == 0:  # no slot before: slot 0 is scored again below
-                    prod[:, 0].zero_()
-                part = _products(rows[gs, j0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, Ls, Lq)
-                _put(prod[:, 1 - (i0 - j0) :], part, None if inv is None else inv[gs, j0:i1])
-                ext = prod.as_strided(
-                    (Gb, n, n_lead + Ls, Lq), ((n + 1) * Ls * Lq, Ls * Lq, Lq, 1), (Ls - n_lead) * Lq
+            if by_pred:
+                inv_g = None if inv is None else inv[gs]
+                ext = _ext_after_pred(
+                    rows[gs], q_g, span=(i0, i1), n_lead=n_lead, inv=inv_g, dtype=query.dtype
                 )
             else:
-                ext = query.new_empty(Gb, n, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
-                part = _products(rows[gs, i0:i1].reshape(Gb, n * Ls, d), q_g).view(Gb, n, Ls, Lq)
+                ext = query.new_empty(Gb, i1 - i0, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
+                part = _products(rows[gs, i0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, Ls, Lq)
                 _put(ext[:, :, n_lead:], part, None if inv is None else inv[gs, i0:i1])
                 if lead is not None:
-                    part = _products(lead[gs, i0:i1].reshape(Gb, n * n_lead, d), q_g)
-                    _put(
-                        ext[:, :, :n_lead],
-                        part.view(Gb, n, n_lead, Lq),
-                        None if inv_lead is None else inv_lead[gs, i0:i1],
-                    )
+                    part = _products(lead[gs, i0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, n_lead, Lq)
+                    _put(ext[:, :, :n_lead], part, None if inv_lead is None else inv_lead[gs, i0:i1])
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
-            torch.amax(_diagonal_sums(ext, w)[..., :Ls, :], -2, out=best[gs, i0:i1])
+            sums = _diagonal_sums(ext, w)[..., :Ls, :]
+            if where is None:
+                torch.amax(sums, -2, out=best[gs, i0:i1])
+            else:
+                best[gs, i0:i1], where[gs, i0:i1] = sums.max(-2)
     if by_pred:
-        g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
-        if len(g_e):
-            block = torch.cat([lead.rows(rows, at=(g_e, i_e)), rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
-            ext = query.new_empty(len(g_e), n_lead + Ls, Lq)
-            _put(ext, torch.bmm(block, q_t[g_e]), _inverse_norms(block) if cosine else None)
-            best[g_e, i_e] = _diagonal_sums(ext, w)[:, :Ls].amax(1)
+        _score_unfollowed(rows, lead, q_t, w=w, cosine=cosine, out=(best, where))
     best = best.transpose(1, 2).contiguous()
-    return best.mul_(1.0 / w) if w > 1 else best
+    best = best.mul_(1.0 / w) if w > 1 else best
+    return best if where is None else (best, where.transpose(1, 2).contiguous())
+
+
+def _ext_after_pred(
+    rows: Tensor, q_g: Tensor, *, span: tuple[int, int], n_lead: int, inv: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """The products [Gb, n, n_lead + Ls, Lq] of slots span = (i0, i1) with the queries q_g
+    [Gb, d, Lq], each slot's lead-in read as the last n_lead rows of the slot stored before it
+    (:func:`_row_max_bf16`): one product of slots i0-1 .. i1-1 (rows [Gb, N, Ls, d], scaled by
+    ``inv`` [Gb, N, Ls] where given) and a view of it in which slot i starts n_lead rows before
+    its own, in ``dtype`` (the query's). Slot 0 has no slot before it: zeros there
+    (:func:`_score_unfollowed` scores it again)."""
+    (i0, i1), (Gb, _, Ls, d), Lq = span, rows.shape, q_g.shape[2]
+    n, j0 = i1 - i0, max(i0 - 1, 0)
+    prod = q_g.new_empty(Gb, n + 1, Ls, Lq, dtype=dtype)
+    if i0 == 0:
+        prod[:, 0].zero_()
+    part = _products(rows[:, j0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, Ls, Lq)
+    _put(prod[:, 1 - (i0 - j0) :], part, None if inv is None else inv[:, j0:i1])
+    return prod.as_strided((Gb, n, n_lead + Ls, Lq), ((n + 1) * Ls * Lq, Ls * Lq, Lq, 1), (Ls - n_lead) * Lq)
+
+
+def _score_unfollowed(
+    rows: Tensor, lead: LeadIn, q_t: Tensor, *, w: int, cosine: bool, out: tuple[Tensor, Tensor | None]
+) -> None:
+    """Score again, in :func:`_row_max_bf16`'s way, the slots whose lead-in is not the end of the
+    slot stored just before them (:meth:`LeadIn.follows`), from their gathered lead-in rows:
+    rows [G, N, Ls, d] bfloat16, q_t [G, d, Lq] the bfloat16 queries; writes their maxima into
+    out = (best [G, N, L], rows attaining them [G, N, L] or None). Finding them is a host sync."""
+    best, where = out
+    Ls, Lq = rows.shape[2], q_t.shape[2]
+    g_e, i_e = (~lead.follows()).nonzero(as_tuple=True)  # host sync: a few slots per batch row
+    if not len(g_e):
+        return
+    block = torch.cat([lead.rows(rows, at=(g_e, i_e)), rows[g_e, i_e]], 1)  # [E, n_lead + Ls, d]
+    ext = best.new_empty(len(g_e), lead.n + Ls, Lq)
+    _put(ext, torch.bmm(block, q_t[g_e]), _inverse_norms(block) if cosine else None)
+    top, arg = _diagonal_sums(ext, w)[:, :Ls].max(1)
+    best[g_e, i_e] = top
+    if where is not None:
+        where[g_e, i_e] = arg
 
 
 def _one_row_at_a_time(device: torch.device) -> bool:
@@ -342,10 +394,11 @@ class _NgramRowMax(torch.autograd.Function):
         ctx.w, ctx.step, ctx.has_lead = w, step, lead is not None
         saved = [query, rows, where, torch.stack(tied)] + ([] if lead is None else [lead])
         ctx.save_for_backward(*saved)
-        return best
+        ctx.mark_non_differentiable(where)
+        return best, where
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad, _grad_where=None):  # type: ignore[override]
         query, rows, where, tied, *rest = ctx.saved_tensors
         lead = rest[0] if ctx.has_lead else None
         w, step = ctx.w, ctx.step

@@ -84,7 +84,9 @@ class CacheSpec:
     top_k: int = 1  # k: segments retrieved per query token
     alpha_norm: str = "topk"  # all (the paper) | topk | original (the authors' code), crtn/model/cache.py
     weighted: bool = True  # values scaled by alpha (keys never are)
-    pos: str = "concat"  # concat | real: relative positions of retrieved segments
+    pos: str = (
+        "concat"  # concat | real | match: relative positions of retrieved segments (crtn/model/retrieved.py)
+    )
     backend: str = "torch"  # torch | faiss (faiss: alpha_norm=topk only)
     faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
     # retrieval in the top min(layers, n_layer) layers only, the layers below run once; None: every

@@ -33,7 +33,7 @@ from crtn.model.cache import SegmentCache, Selection
 from crtn.model.dropout import make_dropout, word_dropout
 from crtn.model.evalkv import StepKV
 from crtn.model.flex import block_mask, check_options
-from crtn.model.retrieved import CacheContext, RealPositions
+from crtn.model.retrieved import CacheContext, RetrievedPositions
 from crtn.model.spec import MEM_LEN_DEFAULT, Spec
 
 
@@ -313,7 +313,7 @@ class TransformerLM(nn.Module):
         tokens: Tensor,
         mem: Tensor | None = None,
         cache: CacheContext | None = None,
-        real_pos: RealPositions | None = None,
+        positions: RetrievedPositions | None = None,
         extra_mask: Tensor | None = None,
         mem_kv: list[Tensor] | None = None,
         layers: tuple[int, int] | None = None,
@@ -326,7 +326,8 @@ class TransformerLM(nn.Module):
             tokens: [B, L] token ids.
             mem: [n+1, B, M, d] memory (layer i reads mem[i]), or None.
             cache: retrieved segments for the CRTN main pass, or None.
-            real_pos: position terms of retrieved rows for ``cache.pos=real``.
+            positions: position terms of retrieved rows for ``cache.pos=real`` or ``match``
+                (:mod:`crtn.model.retrieved`); None: those of the concatenated context alone.
             extra_mask: bool [B, 1, 1, M+L], True hides a memory/segment position from
                 every query of that sequence (``fixed_length_2``).
             mem_kv: per layer, the keys and values of ``mem`` (:meth:`memory_kv`), shared by
@@ -351,7 +352,7 @@ class TransformerLM(nn.Module):
             raw = self.word_emb(tokens)
             emb = word_dropout(raw, tokens, self.n_token, p=self.dropemb, training=self.training)
         M = 0 if mem is None else mem.shape[2]
-        C = cache.k * cache.seg_len if cache is not None and real_pos is None else 0
+        C = _concat_rows(cache, positions)
         mask = self._attn_mask(L, M, tokens.device)
         if extra_mask is not None:
             mask = mask | extra_mask
@@ -362,7 +363,7 @@ class TransformerLM(nn.Module):
                 L, M, shift=self._same_length_shift(L, M), hidden=hidden, device=tokens.device
             )
         dtype = emb.dtype if emb is not None else h.dtype
-        pos_emb, real_pos = self._position_embeddings(C + M + L, real_pos, dtype, tokens.device)
+        pos_emb, positions = self._position_embeddings(C + M + L, positions, dtype, tokens.device)
         if h is None:
             h = self.drop_inp(emb)
         # the stored layer-0 state: the dropped-out embedding, or with clean_layer0 the embedding
@@ -380,7 +381,7 @@ class TransformerLM(nn.Module):
                 mem=None if M == 0 else mem[i],
                 cache=cache,
                 layer=i,
-                real_pos=real_pos,
+                positions=positions,
                 mem_kv=None if mem_kv is None else mem_kv[i],
                 kv_out=kv_out,
                 flex_mask=flex_mask,
@@ -389,24 +390,25 @@ class TransformerLM(nn.Module):
         return hids, self.drop(h) if end == self.n_layer else h
 
     def _position_embeddings(
-        self, K: int, real_pos: RealPositions | None, dtype: torch.dtype, device: torch.device
-    ) -> tuple[Tensor, RealPositions | None]:
+        self, K: int, positions: RetrievedPositions | None, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, RetrievedPositions | None]:
         """Sinusoid embeddings of the distances K-1 .. 0 (clamped, dropped out): [K, d].
 
-        With ``cache.pos=real`` in training with dropout, one dropped table of every distance up
-        to the farthest retrieved row is drawn and shared with ``real_pos`` (so retrieved rows
-        and memory rows see the same dropout of a distance, as in ``concat``).
+        With ``cache.pos=real`` or ``match`` in training with dropout, one dropped table of every
+        distance up to the farthest position term (:attr:`max_dist`) is drawn and shared with
+        ``positions`` (so retrieved rows and memory rows see the same dropout of a distance, as in
+        ``concat``).
         """
-        if real_pos is not None and self.training and self.drop_inp.p > 0:
-            pos_seq = torch.arange(0, max(K, real_pos.max_dist + 1), device=device, dtype=torch.float)
+        if positions is not None and self.training and self.drop_inp.p > 0:
+            pos_seq = torch.arange(0, max(K, positions.max_dist + 1), device=device, dtype=torch.float)
             if self.clamp_len > 0:
                 pos_seq = pos_seq.clamp(max=self.clamp_len)
             table = self.drop_inp(self.pos_emb(pos_seq, dtype))
-            return table[:K].flip(0), real_pos.with_table(table)
+            return table[:K].flip(0), positions.with_table(table)
         pos_seq = torch.arange(K - 1, -1, -1.0, device=device)
         if self.clamp_len > 0:
             pos_seq = pos_seq.clamp(max=self.clamp_len)
-        return self.drop_inp(self.pos_emb(pos_seq, dtype)), real_pos
+        return self.drop_inp(self.pos_emb(pos_seq, dtype)), positions
 
     def keeps_kv(self) -> bool:
         """Whether this step keeps projected keys and values (evaluation without gradient)."""
@@ -478,6 +480,15 @@ class VanillaLM(TransformerLM):
     segment sees only itself (the baseline of the Transformer-XL paper)."""
 
     has_memory = False
+
+
+def _concat_rows(cache: CacheContext | None, positions: RetrievedPositions | None) -> int:
+    """C, the retrieved rows per token placed in the concatenated context before the memory (their
+    position terms from its distances, docs/method.md §3 step 3): all k·Ls of them, except where
+    ``positions`` replace those terms (``cache.pos=real``); 0 without a cache."""
+    if cache is None or (positions is not None and not positions.concat):
+        return 0
+    return cache.k * cache.seg_len
 
 
 def to_device(t: Tensor | None, device: torch.device | str) -> Tensor | None:
