@@ -165,7 +165,7 @@ def test_table_rows_are_composed_from_yaml(smoke):
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "last_state")
     for name in ("default", "default_every_layer", "default_layers1"):
         c = spec[name]["cache"]
-        assert (c["alpha_norm"], c["top_k"], c["pos"]) == ("topk", 1, "concat")
+        assert (c["alpha_norm"], c["top_k"], c["pos"]) == ("topk", 1, "match")
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "token_max")
     for name in (
         "paper_cache",

@@ -319,7 +319,8 @@ def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropo
     cached rows hold the embedding before dropout (docs/method.md §3, "Keys and queries at layer
     0"), so the segment X seen again scores exactly 1 against X's own slot at every token whose
     n-gram and following row lie inside it. The scores the model computes must equal a naive
-    float64 n-gram cosine over the plain embeddings word_emb(tokens), one term at a time. With
+    float64 n-gram cosine over the plain embeddings word_emb(tokens), one term at a time, and the
+    best row of X's own slot (``cache.pos=match``, the default) is the one after the match. With
     retrieval in the top layer only (``cache.layers=1`` of 2) the slots store layer 0 apart and the
     query is the shared lower layers' layer 0."""
     torch.manual_seed(0)
@@ -351,7 +352,7 @@ def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropo
     state = None
     for seg in (x, y, z, x):  # X leaves the memory into slot 0 after Y, Y into slot 1 after Z
         state = model(seg, None, state).state
-    got = seen[-1]  # [B, L, 2] at the second X
+    got, best = seen[-1]  # [B, L, 2] at the second X, and each slot's best row (cache.pos=match)
     emb = model.word_emb
     with torch.no_grad():
         for b in range(2):
@@ -363,6 +364,8 @@ def test_exact_ngram_at_key_layer_0_scores_its_own_copy_1_in_training_with_dropo
                     torch.testing.assert_close(got[b, j, s], want, rtol=0, atol=1e-12)
     own = got[:, w - 1 : L - 1, 0]  # the n-gram and the row after it inside X
     torch.testing.assert_close(own, torch.ones_like(own), rtol=0, atol=1e-12)
+    # the best row of X's own slot is the one after the matched n-gram: token j's next, row j + 1
+    assert torch.equal(best[:, w - 1 : L - 1, 0], torch.arange(w, L).expand(2, -1))
     assert state.cache.values.shape[0] == (3 if layers is None else 2)  # layers 0..2, or 0 and 1
 
 

@@ -248,9 +248,10 @@ def check_weighted(ctx: Ctx) -> None:
 
 def check_pos(ctx: Ctx) -> None:
     """real: position terms at the rows' stream distances; concat: none besides the concatenated
-    context's; match (the base's summary is token_max): terms placed by each selection's best rows."""
-    match = ctx.spec("cache.pos=match", value=False)
-    for spec, mode in ((ctx.on, "real"), (ctx.off, "concat"), (match, "match")):
+    context's; match, the default of the base's token_max (and its default summary=mean's
+    concat): terms placed by each selection's best rows."""
+    concat, mean = ctx.spec("cache.pos=concat", value=False), ctx.spec("summary=mean", value=False)
+    for spec, mode in ((ctx.on, "real"), (ctx.off, "match"), (concat, "concat"), (mean, "concat")):
         assert build(spec).pos_mode == mode
         with (
             mock.patch.object(

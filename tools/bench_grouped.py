@@ -83,15 +83,15 @@ ROOT = Path(__file__).resolve().parents[1]
 #: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
 #: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32) and
 #: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only) and
-#: ``txl_range`` (Transformer-XL whose memory covers the default's range) and ``default_match`` /
-#: ``default_match_n1024`` / ``ngram8_layers2_match`` (the retrieved rows placed by their slot's
-#: best-matching row too, ``cache.pos=match``)
+#: ``txl_range`` (Transformer-XL whose memory covers the default's range) and ``default_concat`` /
+#: ``default_concat_n1024`` / ``ngram8_layers2_concat`` (the retrieved rows placed by the
+#: concatenated context alone, ``cache.pos=concat``, not by their slot's best-matching row too)
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
     "default_n1024": ["model=crtn", f"cache.n_slot={BenchSpec().n_slot_large}"],
-    "default_match": ["model=crtn", "cache.pos=match"],
-    "default_match_n1024": ["model=crtn", "cache.pos=match", f"cache.n_slot={BenchSpec().n_slot_large}"],
+    "default_concat": ["model=crtn", "cache.pos=concat"],
+    "default_concat_n1024": ["model=crtn", "cache.pos=concat", f"cache.n_slot={BenchSpec().n_slot_large}"],
     "default_float32": ["model=crtn", "cache.dtype=float32"],
     "default_float32_n1024": [
         "model=crtn",
@@ -117,14 +117,14 @@ ROWS = {
         "cache.top_k=1",
         "cache.alpha_norm=topk",
     ],
-    "ngram8_layers2_match": [
+    "ngram8_layers2_concat": [
         "model=crtn",
         "cache.key_layer=0",
         "summary.ngram=8",
         "summary.cosine=true",
         "cache.top_k=1",
         "cache.alpha_norm=topk",
-        "cache.pos=match",
+        "cache.pos=concat",
     ],
     "crtn_original_detach": ["model=crtn_original", "query.detach=true"],
     # Transformer-XL over the default's whole range, m + N L tokens of memory (crtn-bench's

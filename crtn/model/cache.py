@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -84,14 +84,18 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else _DTYPES[name]
 
 
-def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
-    """Check the cache's own options (docs/method.md §3 steps 2 and 5, "Retrieval backends");
-    nothing to fill (``cache.layers`` and ``cache.key_layer`` belong to the model,
+def resolve_cache(spec: CacheSpec, summary: type[Summary], *, gate: bool = False) -> CacheSpec:
+    """Check the cache's own options (docs/method.md §3 steps 2 and 5, "Retrieval backends") and
+    fill ``cache.pos`` None: ``match`` where token_max scores the slots for a query strategy,
+    else ``concat`` (``cache.layers`` and ``cache.key_layer`` belong to the model,
     :meth:`crtn.model.crtn.CRTN.resolve`).
 
     Args:
         spec: the ``cache`` group; summary: the class of the model's summary (faiss needs one key
-            per slot).
+            per slot; ``pos=match`` token_max's best rows).
+        gate: whether the slots are selected inside attention (``query=gate``), which has no
+            best row shared by the layers (:meth:`crtn.model.crtn.CRTN.resolve` refuses
+            ``pos=match`` with it).
 
     Raises:
         ConfigError: one line naming the key: negative sizes, an unknown option, faiss with
@@ -102,6 +106,8 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary]) -> CacheSpec:
     if spec.n_slot < 0 or spec.top_k < 0:
         raise ConfigError(f"cache.n_slot={spec.n_slot} and cache.top_k={spec.top_k} must be >= 0")
     check_choice("cache.alpha_norm", spec.alpha_norm, ALPHA_NORMS)
+    if spec.pos is None:
+        spec = replace(spec, pos="match" if summary.name == "token_max" and not gate else "concat")
     check_choice("cache.pos", spec.pos, POS_MODES)
     check_choice("cache.backend", spec.backend, BACKENDS)
     check_choice("cache.faiss_index", spec.faiss_index, FAISS_INDEXES)

@@ -163,12 +163,12 @@ class CRTN(TransformerLM):
         check_choice("query.strategy", spec.query.strategy, STRATEGIES)
         check_choice("summary.name", spec.summary.name, SUMMARIES)
         summary_cls = SUMMARIES[spec.summary.name]
-        cache = resolve_cache(spec.cache, summary_cls)
         strategy_cls = STRATEGIES[spec.query.strategy]
+        gate = strategy_cls.in_attention
+        cache = resolve_cache(spec.cache, summary_cls, gate=gate)
         query = strategy_cls.resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
         strategy_cls.check_summary(summary)  # options of the summary the strategy leaves unused
-        gate = strategy_cls.in_attention
         if gate:
             if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
                 raise ConfigError(

@@ -84,9 +84,10 @@ class CacheSpec:
     top_k: int = 1  # k: segments retrieved per query token
     alpha_norm: str = "topk"  # all (the paper) | topk | original (the authors' code), crtn/model/cache.py
     weighted: bool = True  # values scaled by alpha (keys never are)
-    pos: str = (
-        "concat"  # concat | real | match: relative positions of retrieved segments (crtn/model/retrieved.py)
-    )
+    # relative positions of the retrieved rows (crtn/model/retrieved.py): concat | real | match;
+    # None: match where token_max scores the slots for a query strategy (its best rows place the
+    # copy: docs/results.md, "Positions aligned on the best-matching row"), else concat
+    pos: str | None = None
     backend: str = "torch"  # torch | faiss (faiss: alpha_norm=topk only)
     faiss_index: str = "flat"  # flat (IndexFlatIP, exact) | hnsw (approximate)
     # retrieval in the top min(layers, n_layer) layers only, the layers below run once; None: every
