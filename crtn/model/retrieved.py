@@ -19,6 +19,11 @@ its segment. The products with the retrieved rows run grouped by slot, one dense
 tile of (token, slot) pairs of one slot (``grouped.py``), so a slot's rows are read once per tile,
 not once per token. ``tests/test_crtn_reference.py`` checks this against a naive per-token loop that
 builds every context explicitly.
+
+The position term of a retrieved row (``cache.pos``, docs/method.md §3 step 3 and "Positions of
+retrieved rows") is its place in the concatenated context (``concat``: the columns of the
+layer's relative-shift product), its stream distance (:class:`RealPositions`), or the first
+plus a distance from its slot's best-matching row (:class:`MatchPositions`).
 """
 
 from __future__ import annotations
