@@ -86,6 +86,15 @@ ROOT = Path(__file__).resolve().parents[1]
 #: ``txl_range`` (Transformer-XL whose memory covers the default's range) and ``default_concat`` /
 #: ``default_concat_n1024`` / ``ngram8_layers2_concat`` (the retrieved rows placed by the
 #: concatenated context alone, ``cache.pos=concat``, not by their slot's best-matching row too)
+#: exact 8-gram retrieval in the default's two layers, keys at layer 0
+NGRAM8_LAYERS2 = [
+    "model=crtn",
+    "cache.key_layer=0",
+    "summary.ngram=8",
+    "summary.cosine=true",
+    "cache.top_k=1",
+    "cache.alpha_norm=topk",
+]
 ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
@@ -109,23 +118,8 @@ ROWS = {
         "cache.top_k=1",
         "cache.alpha_norm=topk",
     ],
-    "ngram8_layers2": [
-        "model=crtn",
-        "cache.key_layer=0",
-        "summary.ngram=8",
-        "summary.cosine=true",
-        "cache.top_k=1",
-        "cache.alpha_norm=topk",
-    ],
-    "ngram8_layers2_concat": [
-        "model=crtn",
-        "cache.key_layer=0",
-        "summary.ngram=8",
-        "summary.cosine=true",
-        "cache.top_k=1",
-        "cache.alpha_norm=topk",
-        "cache.pos=concat",
-    ],
+    "ngram8_layers2": NGRAM8_LAYERS2,
+    "ngram8_layers2_concat": [*NGRAM8_LAYERS2, "cache.pos=concat"],
     "crtn_original_detach": ["model=crtn_original", "query.detach=true"],
     # Transformer-XL over the default's whole range, m + N L tokens of memory (crtn-bench's
     # same-range reference): the default's tokens/s against it is the inverse of the step ratio
