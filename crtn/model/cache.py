@@ -94,14 +94,13 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary], *, gate: bool = False
         spec: the ``cache`` group; summary: the class of the model's summary (faiss needs one key
             per slot; ``pos=match`` token_max's best rows).
         gate: whether the slots are selected inside attention (``query=gate``), which has no
-            best row shared by the layers (:meth:`crtn.model.crtn.CRTN.resolve` refuses
-            ``pos=match`` with it).
+            best row shared by the layers.
 
     Raises:
         ConfigError: one line naming the key: negative sizes, an unknown option, faiss with
             ``alpha_norm`` other than topk, or with a summary whose keys are several rows,
             ``pos=match`` with a summary other than token_max (it places rows by token_max's best
-            match).
+            match) or with ``query=gate``.
     """
     if spec.n_slot < 0 or spec.top_k < 0:
         raise ConfigError(f"cache.n_slot={spec.n_slot} and cache.top_k={spec.top_k} must be >= 0")
@@ -118,6 +117,11 @@ def resolve_cache(spec: CacheSpec, summary: type[Summary], *, gate: bool = False
         raise ConfigError(
             f"cache.pos=match places retrieved rows by token_max's best-matching row: it needs "
             f"summary=token_max, not summary={summary.name}"
+        )
+    if spec.pos == "match" and gate:
+        raise ConfigError(
+            "cache.pos=match places rows by the query pass's best match, and query=gate has "
+            "none (each layer selects inside attention): use cache.pos=concat or real"
         )
     if spec.backend == "faiss":
         if spec.alpha_norm != "topk":

@@ -177,11 +177,6 @@ class CRTN(TransformerLM):
                 )
             if cache.backend == "faiss":
                 raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
-            if cache.pos == "match":
-                raise ConfigError(
-                    "cache.pos=match places rows by the query pass's best match, and query=gate has "
-                    "none (each layer selects inside attention): use cache.pos=concat or real"
-                )
         return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:

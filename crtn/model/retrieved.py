@@ -346,6 +346,11 @@ class MatchPositions:
         self.pos_emb, self.best_row, self.seg_len, self.offset = pos_emb, best_row, seg_len, offset
         self.clamp_len, self.dtype = clamp_len, dtype
         self.table: Tensor | None = None
+        self._emb: Tensor | None = None  # embeddings(), made once for every retrieving layer
+        # [B, 1, L, k*Ls] each row's column of the distances c - Ls + 1 .. : distance c + r* - r
+        B, L, k = best_row.shape
+        r = torch.arange(seg_len, device=best_row.device)
+        self.column = (best_row[..., None] - r + (seg_len - 1)).view(B, 1, L, k * seg_len)
 
     @property
     def max_dist(self) -> int:
@@ -355,29 +360,30 @@ class MatchPositions:
     def with_table(self, table: Tensor) -> MatchPositions:
         """Use ``table`` [D, d] (row i: the dropped-out embedding of distance i, clamped;
         D > :attr:`max_dist`) for the terms; returns self."""
-        self.table = table
+        self.table, self._emb = table, None
         return self
 
     def embeddings(self) -> Tensor:
-        """R of the distances c - Ls + 1 .. c + Ls - 1: [2 Ls - 1, d]."""
-        first, n = self.offset - self.seg_len + 1, 2 * self.seg_len - 1
-        if self.table is not None:
-            return self.table[first : first + n]
-        dist = torch.arange(first, first + n, device=self.best_row.device, dtype=torch.float)
-        if self.clamp_len > 0:
-            dist = dist.clamp(max=self.clamp_len)
-        return self.pos_emb(dist, self.dtype)
+        """R of the distances c - Ls + 1 .. c + Ls - 1: [2 Ls - 1, d] (made on the first call,
+        then shared by every retrieving layer)."""
+        if self._emb is None:
+            first, n = self.offset - self.seg_len + 1, 2 * self.seg_len - 1
+            if self.table is not None:
+                self._emb = self.table[first : first + n]
+            else:
+                dist = torch.arange(first, first + n, device=self.best_row.device, dtype=torch.float)
+                if self.clamp_len > 0:
+                    dist = dist.clamp(max=self.clamp_len)
+                self._emb = self.pos_emb(dist, self.dtype)
+        return self._emb
 
     def bd(self, rr_q: Tensor, r_weight: Tensor, concat: Tensor | None = None) -> Tensor:
         """``concat`` [B, H, L, k*Ls] plus (q_j + v).W_{k,R} R_{c + r* - r} for every retrieved row:
         rr_q [B, L, H, dh] -> [B, H, L, k*Ls]."""
         B, L, H, dh = rr_q.shape
-        Ls, k = self.seg_len, self.best_row.shape[-1]
         r_head = F.linear(self.embeddings(), r_weight).view(-1, H, dh)  # [2Ls-1, H, dh]
         every = torch.einsum("blhe,the->bhlt", rr_q, r_head)  # [B, H, L, 2Ls-1]
-        r = torch.arange(Ls, device=rr_q.device)
-        column = (self.best_row[..., None] - r + (Ls - 1)).view(B, 1, L, k * Ls)  # distance c + r* - r
-        term = every.gather(-1, column.expand(B, H, L, k * Ls))
+        term = every.gather(-1, self.column.expand(B, H, L, self.column.shape[-1]))
         return term if concat is None else concat + term
 
 
