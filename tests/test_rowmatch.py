@@ -321,6 +321,73 @@ def test_best_rows_of_slots_scored_again_from_their_lead_in():
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)  # float32 scores, 1/w rounded
 
 
+def _top_k_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[G, L, n] bool: the slots scoring at least each query's k-th best over all slots (ties
+    included): every slot a top-k selection can take, whatever its order among equal scores."""
+    return scores >= scores.topk(k, dim=-1).values[..., -1:]
+
+
+def _assert_candidate_rows(got_rows, want_rows, takeable) -> None:
+    assert torch.equal(got_rows[takeable], want_rows[takeable])
+    other = got_rows[~takeable]
+    assert ((other == -1) | (other == want_rows[~takeable])).all()
+    assert (other == -1).any()  # the rows of the slots no selection takes are left out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("path", ["no_gradient", "bfloat16_row_by_row"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_best_rows_for_a_top_k_cover_every_slot_it_can_take(monkeypatch, w, s, path, k):
+    """With ``top_k`` (a selection of k slots per query reads the best rows of those alone) the
+    CPU paths without a gradient find the rows of the slots that can be among each query's top k
+    only: equal to the naive loop's first best rows at every slot that scores at least the k-th
+    best over all slots, ties included, -1 at (some of) the others, with chunks of k + 1 slots
+    so that a chunk's k-th best differs from the whole row's. Small integers: exact sums, many
+    ties."""
+    gen = torch.Generator().manual_seed(11 * w + s + k)
+    ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
+    query, rows = ints(2, w - 1 + 6, 6), ints(2, 7, 3, 6)
+    lead = ints(2, 7, w - 1 + s, 6) if w - 1 + s > 0 else None
+    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
+    elements = (k + 1) * (w - 1 + 6) * (3 + w - 1 + s)  # chunks of k + 1 slots
+    if path.startswith("bfloat16"):
+        _rows_at_a_time(monkeypatch, True, elements)
+        query, rows, lead = query.float(), rows.bfloat16(), None if lead is None else lead.bfloat16()
+    else:
+        monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", 2 * elements)
+    got, got_rows = ngram_row_scores(query, rows, lead, ngram=w, shift=s, best_row=True, top_k=k)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-12 if got.dtype == torch.float64 else 1e-6)
+    _assert_candidate_rows(got_rows, want_rows, _top_k_slots(want, k))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_best_rows_for_a_top_k_of_slots_scored_again_from_their_lead_in(k):
+    """The same from bfloat16 rows with a lead-in named by slot, where slots whose lead-in is not
+    the slot before are scored again after their chunk: a first score from a wrong (zero)
+    lead-in must not decide which other slots of the chunk are candidates. The ring of the test
+    above, with the scored-again slots' zero-lead-in scores made the largest of their chunks by
+    queries equal to their rows' first row."""
+    gen = torch.Generator().manual_seed(5 + k)
+    ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
+    w, s, n = 2, 1, 2
+    query, rows = ints(2, w - 1 + 4, 6), ints(2, 5, 3, 6)
+    rows[0, 2, 0] = query[0, 1]  # slot 2 of stream 0 follows no slot: scored again
+    pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
+    found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
+    lead = torch.zeros(2, 5, n, 6, dtype=torch.float64)
+    for g in range(2):
+        for i in range(5):
+            if found[g, i]:
+                lead[g, i] = rows[g, pred[g, i], 3 - n :]
+    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
+    by_slot = rowmatch.LeadIn(pred, found, n)
+    got, got_rows = ngram_row_scores(
+        query.float(), rows.bfloat16(), by_slot, ngram=w, shift=s, best_row=True, top_k=k
+    )
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    _assert_candidate_rows(got_rows, want_rows, _top_k_slots(want, k))
+
+
 @pytest.mark.parametrize("w", [1, 2, 3, 5, 6, 7, 8])
 def test_diagonal_window_sums_equal_the_loop(w):
     """The doubling window sums of the bfloat16 path, out[i, j] = sum_{b<w} x[i + b, j + b],

@@ -222,10 +222,13 @@ def _row_match_as_then(before, then: type | None):
     """A row match of another commit, given the lead-in as that commit takes it: its own
     :class:`LeadIn` class (``then``), or, from before the lead-in was named by slot (``then``
     None), the rows gathered as the cache gathered them then (``LeadIn.rows``); from before the
-    match took ``cosine``, the rows normalised in the query's dtype first, as the summary did then."""
-    takes_cosine = "cosine" in inspect.signature(before).parameters
+    match took ``cosine``, the rows normalised in the query's dtype first, as the summary did then;
+    from before it took ``top_k``, every slot's best row, as it gave them then."""
+    takes = inspect.signature(before).parameters
+    takes_cosine = "cosine" in takes
 
     def row_scores(query, rows, lead, *, cosine=False, **kw):
+        kw = {k: v for k, v in kw.items() if k in takes}
         if takes_cosine:
             kw["cosine"] = cosine
         elif cosine:

@@ -360,7 +360,7 @@ class SegmentCache:
                 # token_max's n-gram match: the rows before each slot too
                 lead = self._lead_in(self.summary.lead_rows) if self.summary.lead_rows > 0 else None
                 if best_row:  # token_max (resolve_cache): the scores and the rows that attain them
-                    scores, rows = self.summary.score(query, keys, lead=lead, best_row=True)
+                    scores, rows = self.summary.score(query, keys, lead=lead, best_row=True, top_k=k)
                 elif lead is not None:
                     scores = self.summary.score(query, keys, lead=lead)
                 else:

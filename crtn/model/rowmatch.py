@@ -72,6 +72,7 @@ def ngram_row_scores(
     cosine: bool = False,
     bf16_products: bool = True,
     best_row: bool = False,
+    top_k: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
     (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot;
@@ -105,38 +106,54 @@ def ngram_row_scores(
             whose evaluation must select as it trained).
         best_row: return the row that attains each max too (``cache.pos=match``, docs/method.md §3,
             "Positions of retrieved rows"): the first such row where several do.
+        top_k: with ``best_row``, a selection of each query's top_k slots reads the rows of
+            those alone: on a CPU without a gradient the rows are found only for the slots that
+            can be among them (:func:`_candidate_rows`), -1 for the others, instead of an
+            index-tracking max over the rows of every slot, the part of the match whose cost
+            grows with N (docs/results.md, "Best rows of the candidate slots alone"). None:
+            every slot's row.
 
     Returns:
         [G, L, n] in the query's dtype; with ``best_row`` the pair (scores, rows [G, L, n] long,
-        each in 0..Ls-1).
+        each in 0..Ls-1, or -1 for a slot that ``top_k`` leaves out).
 
     Raises:
         ValueError: ``lead`` is None although w-1+s > 0, or its row count is not w-1+s, or a
             :class:`LeadIn` asks for more rows than a slot has.
     """
     n_lead = ngram - 1 + shift
-    got = None if lead is None else lead.n if isinstance(lead, LeadIn) else lead.shape[2]
-    if n_lead > 0 and got != n_lead:
-        raise ValueError(
-            f"ngram_row_scores: {n_lead} lead-in rows per slot needed (ngram-1+shift), got {got}"
-        )
-    if isinstance(lead, LeadIn) and lead.n > rows.shape[2]:
-        raise ValueError(f"ngram_row_scores: a lead-in of {lead.n} rows from slots of {rows.shape[2]}")
-    if n_lead == 0:
-        lead = None
+    lead = _checked_lead(lead, n_lead, rows.shape[2])
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
     if no_grad and bf16_products and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
-        return _row_max_bf16(query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine, best_row=best_row)
+        return _row_max_bf16(
+            query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine, best_row=best_row, top_k=top_k
+        )
     if cosine:
         rows = F.normalize(rows.to(query.dtype), dim=-1)
         lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, Tensor) else lead
     if isinstance(lead, LeadIn):  # the other paths read the lead-in rows themselves
         lead = lead.rows(rows)
     if no_grad:
-        return _row_max(query, rows, lead, w=ngram, best_row=best_row)
+        return _row_max(query, rows, lead, w=ngram, best_row=best_row, top_k=top_k)
     scores, where = _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
     return (scores, where) if best_row else scores
+
+
+def _checked_lead(lead: Tensor | LeadIn | None, n_lead: int, seg_len: int) -> Tensor | LeadIn | None:
+    """``lead`` checked against the n_lead = w-1+s rows per slot that :func:`ngram_row_scores`
+    reads before each slot of ``seg_len`` rows; None where it reads none.
+
+    Raises:
+        ValueError: as :func:`ngram_row_scores`."""
+    got = None if lead is None else lead.n if isinstance(lead, LeadIn) else lead.shape[2]
+    if n_lead > 0 and got != n_lead:
+        raise ValueError(
+            f"ngram_row_scores: {n_lead} lead-in rows per slot needed (ngram-1+shift), got {got}"
+        )
+    if isinstance(lead, LeadIn) and lead.n > seg_len:
+        raise ValueError(f"ngram_row_scores: a lead-in of {lead.n} rows from slots of {seg_len}")
+    return lead if n_lead > 0 else None
 
 
 def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True) -> int:
@@ -183,23 +200,34 @@ def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple
 
 
 def _row_max(
-    query: Tensor, rows: Tensor, lead: Tensor | None, *, w: int, best_row: bool = False
+    query: Tensor,
+    rows: Tensor,
+    lead: Tensor | None,
+    *,
+    w: int,
+    best_row: bool = False,
+    top_k: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ngram_row_scores` where no gradient is needed: the chunks' maxima only (and with
-    ``best_row`` the rows that attain them), without the check for ties that the backward pass of
-    :class:`_NgramRowMax` reads. Returns [G, L, n], or that and the rows [G, L, n] long."""
+    ``best_row`` the rows that attain them, with ``top_k`` on a CPU those of the candidate slots
+    alone), without the check for ties that the backward pass of :class:`_NgramRowMax` reads.
+    Returns [G, L, n], or that and the rows [G, L, n] long."""
     G, Lq, _ = query.shape
     N = rows.shape[1]
     step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
     best = query.new_empty(G, Lq - w + 1, N)
     where = torch.empty(best.shape, dtype=torch.long, device=query.device) if best_row else None
+    candidates = top_k is not None and query.device.type == "cpu"
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
-        sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)
-        if where is None:
-            best[:, :, i0:i1] = sums.amax(-1)
-        else:
-            best[:, :, i0:i1], where[:, :, i0:i1] = sums.max(-1)
+        sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)  # [G, L, n, Ls]
+        at = (slice(None), slice(None), slice(i0, i1))
+        _chunk_maxima(  # in its layout: slots, rows, queries
+            sums.permute(0, 2, 3, 1),
+            best[at].permute(0, 2, 1),
+            None if where is None else where[at].permute(0, 2, 1),
+            top_k=top_k if candidates else None,
+        )
     best = best * (1.0 / w) if w > 1 else best
     return best if where is None else (best, where)
 
@@ -213,6 +241,7 @@ def _row_max_bf16(
     n_lead: int,
     cosine: bool,
     best_row: bool = False,
+    top_k: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`_row_max` of bfloat16 rows (a cache stored in bfloat16): the query rounded to
     bfloat16, each product <q, row> in bfloat16 (float32 accumulation inside the product, its
@@ -238,8 +267,9 @@ def _row_max_bf16(
     lead-in rows are gathered instead (:meth:`LeadIn.rows`): a cheap copy there, while a host sync
     stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows
     per slot (0 without ``lead``). Returns [G, L, n], and with ``best_row`` the rows [G, L, n]
-    long that attain the maxima (the first of several equal ones)."""
-    G, Lq, d = query.shape
+    long that attain the maxima (the first of several equal ones; with ``top_k`` on a CPU those of
+    the candidate slots alone, :func:`_candidate_rows`, -1 elsewhere)."""
+    G, Lq, _ = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
     one_row = _one_row_at_a_time(query.device)
@@ -251,9 +281,10 @@ def _row_max_bf16(
     step = _chunk_slots(query[:1] if one_row else query, rows, n_lead, cast=False)
     best = query.new_empty(G, N, L)
     where = torch.empty(best.shape, dtype=torch.long, device=query.device) if best_row else None
+    candidates = top_k is not None and one_row
+    scored = lead.follows() if candidates and by_pred else None  # the others are scored again below
     for gs in [slice(g, g + 1) for g in range(G)] if one_row else [slice(None)]:
         q_g = q_t[gs]  # [Gb, d, Lq]
-        Gb = q_g.shape[0]
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
             if by_pred:
@@ -262,24 +293,80 @@ def _row_max_bf16(
                     rows[gs], q_g, span=(i0, i1), n_lead=n_lead, inv=inv_g, dtype=query.dtype
                 )
             else:
-                ext = query.new_empty(Gb, i1 - i0, n_lead + Ls, Lq)  # row x: the slot's row x - n_lead
-                part = _products(rows[gs, i0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, Ls, Lq)
-                _put(ext[:, :, n_lead:], part, None if inv is None else inv[gs, i0:i1])
-                if lead is not None:
-                    part = _products(lead[gs, i0:i1].reshape(Gb, -1, d), q_g).view(Gb, -1, n_lead, Lq)
-                    _put(ext[:, :, :n_lead], part, None if inv_lead is None else inv_lead[gs, i0:i1])
+                at = (gs, slice(i0, i1))
+                scales = (None if inv is None else inv[at], None if inv_lead is None else inv_lead[at])
+                lead_at = None if lead is None else lead[at]
+                ext = _ext_gathered(rows[at], lead_at, q_g, scales=scales, dtype=query.dtype)
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
-            sums = _diagonal_sums(ext, w)[..., :Ls, :]
-            if where is None:
-                torch.amax(sums, -2, out=best[gs, i0:i1])
-            else:
-                best[gs, i0:i1], where[gs, i0:i1] = sums.max(-2)
+            _chunk_maxima(
+                _diagonal_sums(ext, w)[..., :Ls, :],
+                best[gs, i0:i1],
+                None if where is None else where[gs, i0:i1],
+                top_k=top_k if candidates else None,
+                scored=None if scored is None else scored[gs, i0:i1],
+            )
     if by_pred:
         _score_unfollowed(rows, lead, q_t, w=w, cosine=cosine, out=(best, where))
     best = best.transpose(1, 2).contiguous()
     best = best.mul_(1.0 / w) if w > 1 else best
     return best if where is None else (best, where.transpose(1, 2).contiguous())
+
+
+def _chunk_maxima(
+    sums: Tensor, best: Tensor, where: Tensor | None, *, top_k: int | None, scored: Tensor | None = None
+) -> None:
+    """One chunk's maxima over the rows, written into best [G, n, L] (views of the callers'
+    outputs): sums [G, n, Ls, L] the n-gram sums of n slots (any strides); with ``where`` [G, n, L]
+    long also the first row attaining each, for every slot or, with ``top_k``, for the slots that
+    can be among each query's top_k (:func:`_candidate_rows`, ``scored`` as there)."""
+    if where is None or top_k is not None:
+        torch.amax(sums, -2, out=best)
+        if where is not None:
+            _candidate_rows(sums, best, top_k, out=where, scored=scored)
+    else:
+        torch.max(sums, -2, out=(best, where))
+
+
+def _candidate_rows(sums: Tensor, top: Tensor, k: int, *, out: Tensor, scored: Tensor | None = None) -> None:
+    """The best rows of the slots that can be among each query's top k, from one chunk of slots:
+    sums [G, n, Ls, L] the n-gram sums (any strides), top [G, n, L] their maxima over the rows;
+    writes the first row attaining each maximum into out [G, n, L] for every slot that scores at
+    least the chunk's k-th best for that query (ties included), -1 for the others. A slot the
+    whole selection takes scores at least the k-th best of all slots, which is at least the
+    chunk's, so it is always among them; so are slots within 2^-16 of the k-th best, which the
+    scaling after the match (1/w, the summary's factor) may round onto it, and NaN scores, which
+    a max takes. ``scored`` [G, n] bool: the slots whose maxima are final (False: scored again
+    later, with their rows; left out of the k-th best, which can only lower it and so keeps more
+    slots). Finding them is a host sync; the index-tracking max runs over the Ls rows of about k
+    slots per query instead of n."""
+    ranked = top if scored is None else top.masked_fill(~scored[..., None], float("-inf"))
+    kth = ranked.topk(min(k, top.shape[1]), dim=1).values[:, -1:]  # [G, 1, L]
+    kth = kth - kth.abs() * 2.0**-16
+    g, i, j = ((top >= kth) | top.isnan()).nonzero(as_tuple=True)
+    out.fill_(-1)
+    out[g, i, j] = sums[g, i, :, j].argmax(-1)
+
+
+def _ext_gathered(
+    rows: Tensor,
+    lead: Tensor | None,
+    q_g: Tensor,
+    *,
+    scales: tuple[Tensor | None, Tensor | None],
+    dtype: torch.dtype,
+) -> Tensor:
+    """The products [Gb, n, n_lead + Ls, Lq] of n slots' rows [Gb, n, Ls, d] and their lead-in rows
+    [Gb, n, n_lead, d] (or None) with the queries q_g [Gb, d, Lq], the lead-in's above the slot's
+    own (row x: the slot's row x - n_lead), in ``dtype``; ``scales`` = the rows' and the lead-in's
+    reciprocal norms [Gb, n, Ls] and [Gb, n, n_lead] (cosine) or None (:func:`_row_max_bf16`)."""
+    Gb, n, Ls, d = rows.shape
+    n_lead, Lq = 0 if lead is None else lead.shape[2], q_g.shape[2]
+    ext = q_g.new_empty(Gb, n, n_lead + Ls, Lq, dtype=dtype)
+    _put(ext[:, :, n_lead:], _products(rows.reshape(Gb, -1, d), q_g).view(Gb, n, Ls, Lq), scales[0])
+    if lead is not None:
+        _put(ext[:, :, :n_lead], _products(lead.reshape(Gb, -1, d), q_g).view(Gb, n, n_lead, Lq), scales[1])
+    return ext
 
 
 def _ext_after_pred(

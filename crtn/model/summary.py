@@ -507,20 +507,34 @@ class TokenMax(Summary):
         return F.normalize(query, dim=-1) if self.cosine else query
 
     def score(
-        self, query: Tensor, keys: Tensor, lead: Tensor | LeadIn | None = None, *, best_row: bool = False
+        self,
+        query: Tensor,
+        keys: Tensor,
+        lead: Tensor | LeadIn | None = None,
+        *,
+        best_row: bool = False,
+        top_k: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Scores [B, L, n] of queries [B, w-1+L, d] against rows [B, n, Ls, d] (w = ngram), with
         ``lead`` the rows before each slot (s = shift; needed when w-1+s > 0): [B, n, w-1+s, d],
         or named by the slots they come from (:class:`crtn.model.rowmatch.LeadIn`,
         SegmentCache._lead_in): :func:`ngram_row_scores` times :attr:`scale`. With ``best_row``
         the pair (scores, r*), r* [B, L, n] long the row of each slot that attains its score
-        (with s = 1 the row that follows the matched n-gram; ``cache.pos=match``)."""
+        (with s = 1 the row that follows the matched n-gram; ``cache.pos=match``), with ``top_k``
+        possibly only for the slots that can be among each query's top_k (-1 elsewhere)."""
         if isinstance(lead, Tensor):
             lead = self._map_rows(lead, query.dtype)
         query = self._map_query(query)
         keys = self._map_rows(keys, query.dtype)
         out = ngram_row_scores(
-            query, keys, lead, ngram=self.ngram, shift=self.shift, cosine=self.cosine, best_row=best_row
+            query,
+            keys,
+            lead,
+            ngram=self.ngram,
+            shift=self.shift,
+            cosine=self.cosine,
+            best_row=best_row,
+            top_k=top_k,
         )
         return (out[0] * self.scale, out[1]) if best_row else out * self.scale
 
