@@ -156,9 +156,11 @@ ROWS_AT_A_TIME = pytest.mark.parametrize("one_row", [True, False], ids=["row_by_
 
 
 def _rows_at_a_time(monkeypatch, one_row: bool, elements: int, G: int = 2) -> None:
-    """Make the bfloat16 path take the given form and chunks of ``elements`` per batch row."""
+    """Make the bfloat16 path take the given form and chunks of ``elements`` per batch row (its
+    budget on a CPU, ``CHUNK_ELEMENTS_ROW``; the other paths' too)."""
     monkeypatch.setattr(rowmatch, "_one_row_at_a_time", lambda device: one_row)
-    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", elements * (1 if one_row else G))
+    for budget in ("CHUNK_ELEMENTS_ROW", "CHUNK_ELEMENTS"):
+        monkeypatch.setattr(rowmatch, budget, elements * (1 if one_row else G))
 
 
 @ROWS_AT_A_TIME

@@ -64,7 +64,8 @@ class CacheContext:
         groups: ``index``'s (token, slot) pairs grouped by slot (:meth:`slot_groups`), computed
             once and shared by every layer that reads this selection; None until then.
         product_dtype: dtype of the products with the retrieved rows (``cache.product_dtype``,
-            ``grouped.py``); None: the dtype ``values`` are stored in.
+            ``grouped.py``), and where 16-bit of the folding's with the weights
+            (:func:`_weights_dtype`); None: the dtype ``values`` are stored in.
         folded: [B, L, H, d] the layer's folded queries W_{k,E}^T (q + u) where its gate's
             selection computed them with their gradient (:meth:`crtn.model.gate.Gate.select`), so
             that a layer folds its queries once; None: :func:`attend_with_cache` folds them.
@@ -143,8 +144,10 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    folded = fold(attn, rw_q) if cache.folded is None else cache.folded  # a gate's selection folded them
-    ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=cache.product_dtype)
+    dtype = cache.product_dtype or values.dtype
+    # a gate's selection folded them (in the queries' dtype, with the gradient of its scores)
+    folded = fold(attn, rw_q, dtype=_weights_dtype(dtype, rw_q)) if cache.folded is None else cache.folded
+    ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     bd_c = bd_cache if positions is None else positions.bd(rr_q, attn.r_net.weight, concat=bd_cache)
     score_c = ac_c + bd_c
@@ -158,7 +161,7 @@ def attend_with_cache(
         alpha = cache.alpha[:, :, None]  # [B, L, 1, k]
         prob_c = (prob_c.view(B, L, H, cache.k, cache.seg_len) * alpha[..., None]).view(B, L, H, C)
     prob_c = prob_c.reshape(B * L, H, C)
-    mixed = _folded_mix(attn, prob_c, values, groups=groups, dtype=cache.product_dtype)
+    mixed = _folded_mix(attn, prob_c, values, groups=groups, dtype=dtype)
     out = out + mixed.view(B, L, H, dh)
     return out.reshape(B, L, H * dh)
 
@@ -173,6 +176,7 @@ def _folded_scores(
     q_model = folded.reshape(-1, H, attn.d_model)
     if attn.pre_lnorm:  # LN(z) = g * n(z) + b, n parameter-free: (g q).n(z) + q.b
         g, b, eps = attn.layer_norm.weight, attn.layer_norm.bias, attn.layer_norm.eps
+        q_model = q_model.to(g.dtype)  # the terms of the parameters in their dtype
         out = (
             grouped_product(q_model * g, values, groups, to_rows=True, normalize=True, eps=eps, dtype=dtype)
             + (q_model @ b)[..., None]
@@ -182,17 +186,20 @@ def _folded_scores(
     return out.reshape(B * L, H, -1)
 
 
-def fold(attn: Any, rw_q: Tensor) -> Tensor:
+def fold(attn: Any, rw_q: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Queries folded into model space, qm^h = W_{k,E}^{h T} (q^h + u^h): rw_q [B, L, H, d_h] ->
     [B, L, H, d]; qm^h . x(z) is head h's content score of a row z (module docstring;
     docs/method.md §3, "Efficient main pass"). ``attn``: the layer's
     :class:`crtn.model.attention.RelPartialLearnableMultiHeadAttn`, whose W_{k,E} is read.
+    ``dtype``: the product's (both factors cast, the result in it, as autocast runs a matrix
+    product; the retrieved attention's ``cache.product_dtype``); None: rw_q's.
 
     Raises:
         RuntimeError: from ``torch.einsum`` when rw_q's heads do not match the layer's."""
     H, dh = rw_q.shape[-2:]
     w_k = attn.qkv_net.weight.view(3, H, dh, -1)[1]
-    return torch.einsum("blhe,hed->blhd", rw_q, w_k)
+    dtype = dtype or rw_q.dtype
+    return torch.einsum("blhe,hed->blhd", rw_q.to(dtype), w_k.to(dtype))
 
 
 def _folded_mix(
@@ -211,7 +218,21 @@ def _folded_mix(
         )
     else:
         mix = grouped_product(prob_c, values, groups, to_rows=False, dtype=dtype)  # [T, H, d]
-    return torch.einsum("nhd,hed->nhe", mix, w_v)
+    w_dtype = _weights_dtype(dtype, prob_c)
+    # per head [T, d] x [d, dh], the mixed rows one contiguous [H, T, d] factor: the weight
+    # gradient reads its transpose, which a CPU's bfloat16 product runs slowly from a permuted view
+    heads = mix.transpose(0, 1).to(w_dtype, memory_format=torch.contiguous_format)
+    out = torch.bmm(heads, w_v.to(w_dtype).transpose(1, 2))  # [H, T, dh]
+    return out.transpose(0, 1).to(prob_c.dtype, memory_format=torch.contiguous_format)
+
+
+def _weights_dtype(dtype: torch.dtype, x: Tensor) -> torch.dtype:
+    """The dtype of the folding's products with W_{k,E} and W_v (:func:`fold`, :func:`_folded_mix`):
+    the retrieved attention's product dtype where it is 16-bit, as autocast runs a matrix product
+    (the operands are rounded to it before the products with the rows anyway; a CPU's bfloat16
+    units run these shapes several times faster than float32: docs/results.md, "The folding in
+    bfloat16"), else x's: a float32 product dtype of a float64 model keeps the folding exact."""
+    return dtype if dtype.itemsize == 2 else x.dtype
 
 
 class RealPositions:

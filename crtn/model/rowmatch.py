@@ -24,6 +24,10 @@ from torch import Tensor
 CHUNK_ELEMENTS = 1 << 21
 #: the same off the CPU (a GPU: fewer, larger chunks, since each chunk launches some 20 kernels)
 CHUNK_ELEMENTS_GPU = 1 << 25
+#: the same for :func:`_row_max_bf16` on a CPU, one batch row at a time (4 MiB of float32 products
+#: per chunk, and as much again for each pass of their window sums): at N = 1,024 a row match ran
+#: 15% faster than in chunks of twice this (docs/results.md, "The folding in bfloat16")
+CHUNK_ELEMENTS_ROW = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,10 @@ def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True)
     the query's dtype [G, slots, Ls, d] too (with d > Lq that copy is the larger; docs/results.md,
     "Peak step memory on the CPU, each allocation counted once"). Off the CPU the score block
     alone sets the chunk, as it was measured there: each chunk launches some 20 kernels.
-    :func:`_row_max_bf16` multiplies the rows as stored (``cast=False``)."""
+    :func:`_row_max_bf16` multiplies the rows as stored (``cast=False``), on a CPU in chunks of
+    :data:`CHUNK_ELEMENTS_ROW`."""
     cpu = query.device.type == "cpu"
-    budget = CHUNK_ELEMENTS if cpu else CHUNK_ELEMENTS_GPU
+    budget = (CHUNK_ELEMENTS if cast else CHUNK_ELEMENTS_ROW) if cpu else CHUNK_ELEMENTS_GPU
     G, Ls, d = query.shape[0], rows.shape[2], rows.shape[3]
     per_slot = G * query.shape[1] * (Ls + n_lead)
     if cpu and cast and rows.dtype != query.dtype:

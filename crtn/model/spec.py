@@ -100,7 +100,8 @@ class CacheSpec:
     # that multiplies in bfloat16: docs/method.md §3, "A selection in bfloat16") | float32 |
     # float16 | float64 | None (the states' own dtype)
     dtype: str | None = "bfloat16"
-    # dtype of the retrieved attention's products with the stored rows (crtn/model/grouped.py):
+    # dtype of the retrieved attention's products with the stored rows (crtn/model/grouped.py),
+    # and where 16-bit of the folding's with W_{k,E} and W_v (crtn/model/retrieved.py):
     # None: the storage dtype, so bfloat16 rows are multiplied as stored, without a cast (docs/method.md
     # §3, "Efficient main pass"; cost and accuracy in docs/results.md, "Products in bfloat16") |
     # float32 | float16 | bfloat16 | float64
