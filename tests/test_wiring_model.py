@@ -14,6 +14,7 @@ from torch import nn
 
 import crtn.model.flex as flex_module
 import crtn.model.grouped as grouped
+import crtn.model.retrieved as retrieved
 import crtn.model.retriever as retriever_module
 from crtn.model import CRTN, TransformerLM, resolve_spec, with_spec
 from crtn.model.dropout import LockedDropout
@@ -306,21 +307,32 @@ def check_dtype(ctx: Ctx) -> None:
 
 def check_product_dtype(ctx: Ctx) -> None:
     """The retrieved rows, stored in bfloat16 (the default), are multiplied in float32 with the
-    option, in bfloat16 (as stored) without it."""
+    option, in bfloat16 (as stored) without it; the folding's products with W_{k,E} and W_v run in
+    a 16-bit product dtype too (bfloat16 without the option), in the model's float32 with it."""
     seen: list[tuple[torch.dtype, torch.dtype]] = []
-    real = grouped._TileProduct.forward
+    folds: list[torch.dtype] = []
+    real, real_fold = grouped._TileProduct.forward, retrieved._weights_dtype
 
     def spy(c, x, values, groups, to_rows, normalize, eps, dtype):
         seen.append((values.dtype, dtype))
         return real(c, x, values, groups, to_rows, normalize, eps, dtype)
 
-    with mock.patch.object(grouped._TileProduct, "forward", staticmethod(spy)):
+    def spy_fold(dtype, x):
+        folds.append(real_fold(dtype, x))
+        return folds[-1]
+
+    with (
+        mock.patch.object(grouped._TileProduct, "forward", staticmethod(spy)),
+        mock.patch.object(retrieved, "_weights_dtype", spy_fold),
+    ):
         last_state(ctx, 6, train=True)
-        on = set(seen)
+        on, folds_on = set(seen), set(folds)
         seen.clear()
+        folds.clear()
         last_state(ctx, 6, spec=ctx.off, train=True)
     assert on == {(torch.bfloat16, torch.float32)}
     assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert folds_on == {torch.float32} and set(folds) == {torch.bfloat16}
 
 
 # ------------------------------------------------------------------ query.*, summary.*
