@@ -300,15 +300,18 @@ def test_best_rows_are_the_first_rows_that_attain_each_max(monkeypatch, w, s, pa
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-12 if got.dtype == torch.float64 else 1e-6)
 
 
-def test_best_rows_of_slots_scored_again_from_their_lead_in():
-    """From bfloat16 rows with a lead-in named by slot (:class:`rowmatch.LeadIn`) on a CPU, slots
-    whose lead-in is not the slot before are scored again from their gathered rows; their best
-    rows come from that second scoring: equal to the naive loop's on the lead-in gathered by hand
-    (the ring of the lead-in test above; small integers, exact in bfloat16)."""
-    gen = torch.Generator().manual_seed(3)
+def _ring(seed: int, edit=None):
+    """The ring of the lead-in test above for the best rows: 2 streams of 5 slots of 3 rows, small
+    integers (exact in bfloat16), w = 2, s = 1, the lead-in of 2 rows named by slot (some slots
+    follow no slot, or another than the one before), ``edit(query, rows)`` applied first; returns
+    the queries, the rows, the :class:`rowmatch.LeadIn` and the naive loop's (scores, best rows)
+    on the lead-in gathered by hand."""
+    gen = torch.Generator().manual_seed(seed)
     ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
     w, s, n = 2, 1, 2
     query, rows = ints(2, w - 1 + 4, 6), ints(2, 5, 3, 6)
+    if edit is not None:
+        edit(query, rows)
     pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
     found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
     lead = torch.zeros(2, 5, n, 6, dtype=torch.float64)
@@ -316,9 +319,17 @@ def test_best_rows_of_slots_scored_again_from_their_lead_in():
         for i in range(5):
             if found[g, i]:
                 lead[g, i] = rows[g, pred[g, i], 3 - n :]
-    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
-    by_slot = rowmatch.LeadIn(pred, found, n)
-    got, got_rows = ngram_row_scores(query.float(), rows.bfloat16(), by_slot, ngram=w, shift=s, best_row=True)
+    naive = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
+    return query, rows, rowmatch.LeadIn(pred, found, n), naive
+
+
+def test_best_rows_of_slots_scored_again_from_their_lead_in():
+    """From bfloat16 rows with a lead-in named by slot (:class:`rowmatch.LeadIn`) on a CPU, slots
+    whose lead-in is not the slot before are scored again from their gathered rows; their best
+    rows come from that second scoring: equal to the naive loop's on the lead-in gathered by hand
+    (the ring of the lead-in test above; small integers, exact in bfloat16)."""
+    query, rows, by_slot, (want, want_rows) = _ring(3)
+    got, got_rows = ngram_row_scores(query.float(), rows.bfloat16(), by_slot, ngram=2, shift=1, best_row=True)
     assert torch.equal(got_rows, want_rows)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)  # float32 scores, 1/w rounded
 
@@ -369,22 +380,13 @@ def test_best_rows_for_a_top_k_of_slots_scored_again_from_their_lead_in(k):
     lead-in must not decide which other slots of the chunk are candidates. The ring of the test
     above, with the scored-again slots' zero-lead-in scores made the largest of their chunks by
     queries equal to their rows' first row."""
-    gen = torch.Generator().manual_seed(5 + k)
-    ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).double()  # noqa: E731
-    w, s, n = 2, 1, 2
-    query, rows = ints(2, w - 1 + 4, 6), ints(2, 5, 3, 6)
-    rows[0, 2, 0] = query[0, 1]  # slot 2 of stream 0 follows no slot: scored again
-    pred = torch.tensor([[4, 0, 0, 2, 3], [0, 0, 1, 4, 2]])
-    found = torch.tensor([[True, True, False, True, True], [False, True, True, True, True]])
-    lead = torch.zeros(2, 5, n, 6, dtype=torch.float64)
-    for g in range(2):
-        for i in range(5):
-            if found[g, i]:
-                lead[g, i] = rows[g, pred[g, i], 3 - n :]
-    want, want_rows = naive_ngram_row_scores(query, rows, lead, w, s, with_row=True)
-    by_slot = rowmatch.LeadIn(pred, found, n)
+
+    def first_row_is_a_query(query, rows):  # slot 2 of stream 0 follows no slot: scored again
+        rows[0, 2, 0] = query[0, 1]
+
+    query, rows, by_slot, (want, want_rows) = _ring(5 + k, first_row_is_a_query)
     got, got_rows = ngram_row_scores(
-        query.float(), rows.bfloat16(), by_slot, ngram=w, shift=s, best_row=True, top_k=k
+        query.float(), rows.bfloat16(), by_slot, ngram=2, shift=1, best_row=True, top_k=k
     )
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
     _assert_candidate_rows(got_rows, want_rows, _top_k_slots(want, k))
