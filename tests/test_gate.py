@@ -150,19 +150,23 @@ def test_lead_queries_come_from_the_memory():
     )
 
 
+@pytest.mark.parametrize("product", [None, "float32"], ids=["bfloat16_products", "queries_dtype_products"])
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "no_gradient"])
-def test_best_row_gate_multiplies_bfloat16_rows_in_the_queries_dtype(monkeypatch, grad):
+def test_best_row_gate_multiplies_bfloat16_rows_in_its_product_dtype(monkeypatch, grad, product):
     """With the cache in bfloat16 (``cache.dtype``) the best-row gate's match multiplies in the
-    queries' dtype either way: its scores (and in training the queries' gradient) equal, exactly,
-    those of the same rows cast up first. The match gets the cache's own bfloat16 rows, cast
-    chunk by chunk (and in training kept for the backward pass as stored) instead of a copy of
-    every slot's rows, and without a gradient asks for products in the queries' dtype, where
-    the match would otherwise multiply bfloat16 rows in bfloat16 (``rowmatch.py``)."""
+    retrieved attention's product dtype (``cache.product_dtype``; by default the cache's
+    bfloat16; a wider one keeps the queries' dtype), with a gradient and without: evaluation selects as training does, and its scores
+    are bit for bit those of a call with a gradient on the same inputs. The match gets the
+    cache's own bfloat16 rows (cast chunk by chunk where the products are float32, and in
+    training kept for the backward pass as stored) instead of a copy of every slot's rows, and
+    scores them exactly as it scores the same rows cast up first. ``bf16_products`` stays False:
+    the no-gradient path of bfloat16 rows (``rowmatch.py``, row by row) rounds otherwise."""
     options = {
         "summary.name": "token_max",
         "cache.dtype": "bfloat16",
         "cache.alpha_norm": "all",
         "cache.top_k": 2,
+        "cache.product_dtype": product,
     }
     model = tiny_model(V, **{**GATE, **options})
     real, calls = gate_module.ngram_row_scores, []
@@ -178,12 +182,17 @@ def test_best_row_gate_multiplies_bfloat16_rows_in_the_queries_dtype(monkeypatch
     assert len(calls) >= 4
     for query, rows, lead, kw, out in calls:
         assert rows.dtype == torch.bfloat16 and kw["bf16_products"] is False
+        # a product dtype wider than 16 bits: the queries' own (the model's float64 here)
+        assert kw["product_dtype"] == (torch.bfloat16 if product is None else query.dtype)
+        assert out.dtype == query.dtype
         up = [None if t is None else t.to(query.dtype) for t in (rows, lead)]
         q = query.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             want = real(q, *up, **kw)
             assert torch.equal(out, want.detach())
             if grad:
+                with torch.no_grad():  # evaluation's path scores as training's does
+                    assert torch.equal(real(q, rows, lead, **kw), out)
                 weight = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(1))
                 got = real(q, rows, lead, **kw)
                 assert torch.equal(

@@ -53,11 +53,11 @@ def _record_chunks(monkeypatch, check=None) -> list[tuple[int, int]]:
     its rows, where given); ``monkeypatch.undo()`` restores it."""
     spans, chunk_sums = [], rowmatch._chunk_sums
 
-    def spy(query, rows, lead, *, span, w):
+    def spy(query, rows, lead, *, span, w, **kw):
         if check is not None:
             check(rows)
         spans.append(span)
-        return chunk_sums(query, rows, lead, span=span, w=w)
+        return chunk_sums(query, rows, lead, span=span, w=w, **kw)
 
     monkeypatch.setattr(rowmatch, "_chunk_sums", spy)
     return spans
@@ -439,3 +439,67 @@ def test_the_bench_tool_s_unchunked_reference_agrees_and_its_smoke_run_completes
     s = replace(BenchSpec(), batch=1, d_model=8, tgt_len=4, n_slot=2)
     (row,) = tool.bench_score(s, [3], rounds=1, device=torch.device("cpu"))
     assert row["n_slot"] == 3 and row["chunked_ms"] > 0 and row["unchunked_ms"] > 0
+
+
+def _at_rows(
+    query: torch.Tensor, rows: torch.Tensor, lead: torch.Tensor | None, where: torch.Tensor, w: int, s: int
+):
+    """The n-gram sum (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}> at the given row r = where[g, j, i]
+    of each slot, a function linear in the query (float64): its gradient is the one the max
+    passes to that row alone. Returns [G, L, n]."""
+    G, n = rows.shape[:2]
+    ext = rows if lead is None else torch.cat([lead, rows], 2)  # row m of a slot at n_lead + m
+    n_lead = 0 if lead is None else lead.shape[2]
+    L = query.shape[1] - w + 1
+    g = torch.arange(G)[:, None, None]
+    i = torch.arange(n)[None, None, :]
+    total = 0
+    for a in range(w):
+        picked = ext[g, i, where - s - a + n_lead]  # [G, L, n, d]
+        total = total + torch.einsum("gjd,gjid->gji", query[:, w - 1 - a : w - 1 - a + L], picked)
+    return total / w
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("chunk", [2, 1 << 21], ids=["two_slots", "one_chunk"])
+@pytest.mark.parametrize(("w", "s"), CASES)
+def test_products_in_bfloat16_with_a_gradient(monkeypatch, w, s, chunk, ties):
+    """``product_dtype=bfloat16`` (the best-row gate with the cache's bfloat16 products, with
+    ``bf16_products=False`` as it passes): with a gradient and without, the scores are bit for
+    bit the same (evaluation selects as training does) and within 2^-8 of the largest product of
+    the float64 loop on the bfloat16-rounded query and rows (each product rounded once). The max passes its gradient to one row, the one
+    the forward pass found (ties, common in bfloat16, are not split): the query's gradient is
+    that of the n-gram sum at that row in float64 on the rounded inputs, to within 2·2^-8 of its
+    terms' absolute sum (the incoming gradient and the product each rounded to bfloat16). That
+    row attains the max of the rounded products. With ``ties`` (one-hot vectors: exact in
+    bfloat16, many equal maxima) the scores are exact, and an even split of the gradient would
+    err by half of it."""
+    monkeypatch.setattr(rowmatch, "CHUNK_ELEMENTS", chunk * 2 * (w - 1 + 4) * (3 + w - 1 + s))
+    query, rows, lead = (None if t is None else t.detach() for t in _inputs(w, s, ties=ties))
+    query = query.float().requires_grad_()
+    rows16, lead16 = rows.bfloat16(), None if lead is None else lead.bfloat16()
+    kw = {"ngram": w, "shift": s, "product_dtype": torch.bfloat16, "best_row": True, "bf16_products": False}
+    got, where = ngram_row_scores(query, rows16, lead16, **kw)
+    with torch.no_grad():
+        plain, plain_where = ngram_row_scores(query, rows16, lead16, **kw)
+    assert got.dtype == torch.float32 and torch.equal(plain, got.detach()) and torch.equal(plain_where, where)
+    exact = [None if t is None else t.double() for t in (query.detach().bfloat16(), rows16, lead16)]
+    want = naive_ngram_row_scores(*exact, w, s)
+    every = [exact[1].flatten(1, 2)] + ([] if lead is None else [exact[2].flatten(1, 2)])
+    largest = max(float(torch.einsum("gqd,grd->gqr", exact[0], t).abs().max()) for t in every)
+    assert float((got.detach().double() - want).abs().max()) <= 2.0**-8 * largest
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+    (g_got,) = torch.autograd.grad((got * weight).sum(), query)
+    q64 = exact[0].clone().requires_grad_()
+    w64 = weight.bfloat16().double()
+    (g_want,) = torch.autograd.grad((_at_rows(q64, exact[1], exact[2], where, w, s) * w64).sum(), q64)
+    absq = q64.detach().abs().requires_grad_()
+    ab = [None if t is None else t.abs() for t in exact[1:]]
+    (terms,) = torch.autograd.grad((_at_rows(absq, ab[0], ab[1], where, w, s) * w64.abs()).sum(), absq)
+    assert bool(((g_got.double() - g_want).abs() <= 2 * 2.0**-8 * terms + 1e-30).all())
+    if ties:  # the sums exact (then 1/w in float32); the gradient's sums over slots still rounded
+        torch.testing.assert_close(got.detach().double(), want, rtol=2**-23, atol=0)
+    else:
+        assert not torch.equal(g_got.double(), g_want)  # the bfloat16 path ran: its rounding shows
+    at_where = _at_rows(exact[0], exact[1], exact[2], where, w, s)
+    assert float((at_where - want).abs().max()) <= 2.0**-8 * largest  # a best row of the rounded sums

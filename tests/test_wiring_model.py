@@ -311,7 +311,7 @@ def check_product_dtype(ctx: Ctx) -> None:
     a 16-bit product dtype too (bfloat16 without the option), in the model's float32 with it."""
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     folds: list[torch.dtype] = []
-    real, real_fold = grouped._TileProduct.forward, retrieved._weights_dtype
+    real, real_fold = grouped._TileProduct.forward, retrieved.weights_dtype
 
     def spy(c, x, values, groups, to_rows, normalize, eps, dtype):
         seen.append((values.dtype, dtype))
@@ -323,7 +323,7 @@ def check_product_dtype(ctx: Ctx) -> None:
 
     with (
         mock.patch.object(grouped._TileProduct, "forward", staticmethod(spy)),
-        mock.patch.object(retrieved, "_weights_dtype", spy_fold),
+        mock.patch.object(retrieved, "weights_dtype", spy_fold),
     ):
         last_state(ctx, 6, train=True)
         on, folds_on = set(seen), set(folds)

@@ -3,7 +3,7 @@ retrieved attention grouped by slot (docs/method.md §3, "Efficient main pass") 
 ``--before COMMIT``, also with that commit's attention layer, retrieved attention, row match, top-k and grouped products
 (:data:`SWAPS`: ``RelPartialLearnableMultiHeadAttn.forward`` of ``crtn/model/attention.py``,
 ``attend_with_cache`` and ``CacheContext.slot_groups`` (the pairs' form) of ``crtn/model/retrieved.py``,
-``Gate._row_scores`` of ``crtn/model/gate.py``, ``ngram_row_scores`` of
+``Gate._row_scores`` and ``Gate.select`` of ``crtn/model/gate.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
 ``SlotGroups.to_rows``, ``from_rows`` and ``_chunk`` of ``crtn/model/grouped.py``; a row match
 from before the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered
@@ -143,6 +143,7 @@ SWAPS = [
     ),
     ("crtn/model/cache.py", "SegmentCache._top", [(SegmentCache, "_top")]),
     ("crtn/model/gate.py", "Gate._row_scores", [(gate.Gate, "_row_scores")]),
+    ("crtn/model/gate.py", "Gate.select", [(gate.Gate, "select")]),
     ("crtn/model/grouped.py", "SlotGroups.to_rows", [(SlotGroups, "to_rows")]),
     ("crtn/model/grouped.py", "SlotGroups.from_rows", [(SlotGroups, "from_rows")]),
     ("crtn/model/grouped.py", "SlotGroups._chunk", [(SlotGroups, "_chunk")]),

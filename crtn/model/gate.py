@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.retrieved import fold
+from crtn.model.retrieved import fold, weights_dtype
 from crtn.model.rowmatch import ngram_row_scores
 from crtn.model.summary import Summary
 
@@ -85,6 +85,12 @@ class Gate:
             the key projection W_{k,E} still learns from them).
         first_layer: the first retrieving layer (``cache.values[0]`` holds its input).
         t0: stream position of the segment's first token.
+        product_dtype: the retrieved attention's product dtype (``cache.product_dtype``; None:
+            the dtype the cache stores). Where it is 16-bit the gate multiplies its folded
+            queries with the rows of ``token_max`` in it, with a gradient and without, as the
+            retrieved attention multiplies its rows (:func:`crtn.model.retrieved.weights_dtype`;
+            docs/results.md, "The best-row gate's products in bfloat16"); otherwise in the
+            queries' dtype. The folding itself stays in the queries' dtype.
         selections: the selection of every retrieving layer run so far, in order.
     """
 
@@ -95,6 +101,7 @@ class Gate:
     detach: bool
     first_layer: int
     t0: int
+    product_dtype: torch.dtype | None = None
     selections: list[Selection] = field(default_factory=list)
 
     def select(
@@ -116,6 +123,9 @@ class Gate:
             :attr:`detach`, where the selection's are folded from q + u without its gradient.
         """
         q = torch.cat([lead_q, rw_q], 1) if lead_q is not None else rw_q
+        # folded in the queries' dtype, whatever the product dtype: folded in bfloat16, the top
+        # layer's selection did not learn to find the copy (docs/results.md, "The best-row
+        # gate's products in bfloat16")
         qm = fold(attn, q.detach() if self.detach else q)  # [B, Lq, H, d]; W_{k,E} keeps its gradient
         folded = None if self.detach else qm[:, q.shape[1] - rw_q.shape[1] :]
         qm = qm.sum(2, keepdim=True)  # [B, Lq, 1, d]: the heads' scores summed
@@ -123,6 +133,10 @@ class Gate:
         sel = self.cache.choose(scores, top_k=self.top_k, alpha_norm=self.alpha_norm, t0=self.t0)
         self.selections.append(sel)
         return sel, folded
+
+    def _dtype(self, q: Tensor) -> torch.dtype:
+        """The dtype of the gate's products (:attr:`product_dtype`) for queries ``q``."""
+        return weights_dtype(self.product_dtype or self.cache.values.dtype, q)
 
     def _scores(self, attn: Any, layer: int, qm: Tensor) -> Tensor:
         """Unscaled block scores [B, L, G, n_valid] of folded queries qm [B, Lq, G, d] (Lq - L lead
@@ -150,17 +164,19 @@ class Gate:
         ln = attn.layer_norm
         if attn.pre_lnorm:  # normalised in the queries' dtype (the cache may store another)
             rows = F.layer_norm(rows.to(qm.dtype), (d,), weight=ln.weight, bias=ln.bias, eps=ln.eps)
-        # otherwise the rows as stored: the match casts them chunk by chunk, products in the
-        # queries' dtype with a gradient or without (bf16_products=False: evaluation selects as
-        # training does), and keeps the cache's own tensor for its backward pass, not a copy of
-        # every slot's rows in the queries' dtype
+        # otherwise the rows as stored: the match casts them chunk by chunk where they are stored
+        # in another dtype than its products', multiplies in the same dtype with a gradient or
+        # without (bf16_products=False: evaluation selects as training does), and keeps the
+        # cache's own tensor for its backward pass, not a copy of every slot's rows
         lead = None
         if self.summary.lead_rows > 0:  # the rows before each slot: its predecessor's last ones
             lead = self.cache._lead_in(self.summary.lead_rows).rows(rows)
         q = qm.transpose(1, 2).reshape(B * G, Lq, d)
         rows, lead = _per_group(rows, G), None if lead is None else _per_group(lead, G)
         w, s = self.summary.ngram, self.summary.shift
-        scores = ngram_row_scores(q, rows, lead, ngram=w, shift=s, bf16_products=False)  # [B*G, L, n]
+        scores = ngram_row_scores(
+            q, rows, lead, ngram=w, shift=s, bf16_products=False, product_dtype=self._dtype(q)
+        )  # [B*G, L, n]
         return scores.view(B, G, -1, scores.shape[-1]).transpose(1, 2)
 
 

@@ -65,7 +65,7 @@ class CacheContext:
             once and shared by every layer that reads this selection; None until then.
         product_dtype: dtype of the products with the retrieved rows (``cache.product_dtype``,
             ``grouped.py``), and where 16-bit of the folding's with the weights
-            (:func:`_weights_dtype`); None: the dtype ``values`` are stored in.
+            (:func:`weights_dtype`); None: the dtype ``values`` are stored in.
         folded: [B, L, H, d] the layer's folded queries W_{k,E}^T (q + u) where its gate's
             selection computed them with their gradient (:meth:`crtn.model.gate.Gate.select`), so
             that a layer folds its queries once; None: :func:`attend_with_cache` folds them.
@@ -146,7 +146,7 @@ def attend_with_cache(
     groups = cache.slot_groups()
     dtype = cache.product_dtype or values.dtype
     # a gate's selection folded them (in the queries' dtype, with the gradient of its scores)
-    folded = fold(attn, rw_q, dtype=_weights_dtype(dtype, rw_q)) if cache.folded is None else cache.folded
+    folded = fold(attn, rw_q, dtype=weights_dtype(dtype, rw_q)) if cache.folded is None else cache.folded
     ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=dtype)
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     bd_c = bd_cache if positions is None else positions.bd(rr_q, attn.r_net.weight, concat=bd_cache)
@@ -218,7 +218,7 @@ def _folded_mix(
         )
     else:
         mix = grouped_product(prob_c, values, groups, to_rows=False, dtype=dtype)  # [T, H, d]
-    w_dtype = _weights_dtype(dtype, prob_c)
+    w_dtype = weights_dtype(dtype, prob_c)
     # per head [T, d] x [d, dh], the mixed rows one contiguous [H, T, d] factor: the weight
     # gradient reads its transpose, which a CPU's bfloat16 product runs slowly from a permuted view
     heads = mix.transpose(0, 1).to(w_dtype, memory_format=torch.contiguous_format)
@@ -226,8 +226,9 @@ def _folded_mix(
     return out.transpose(0, 1).to(prob_c.dtype, memory_format=torch.contiguous_format)
 
 
-def _weights_dtype(dtype: torch.dtype, x: Tensor) -> torch.dtype:
-    """The dtype of the folding's products with W_{k,E} and W_v (:func:`fold`, :func:`_folded_mix`):
+def weights_dtype(dtype: torch.dtype, x: Tensor) -> torch.dtype:
+    """The dtype of the folding's products with W_{k,E} and W_v (:func:`fold`, :func:`_folded_mix`;
+    a gate's best-row match, :class:`crtn.model.gate.Gate`, multiplies its rows in it too):
     the retrieved attention's product dtype where it is 16-bit, as autocast runs a matrix product
     (the operands are rounded to it before the products with the rows anyway; a CPU's bfloat16
     units run these shapes several times faster than float32: docs/results.md, "The folding in

@@ -209,6 +209,7 @@ class InAttention:
             detach=model.detach,
             first_layer=model.retrieve_from,
             t0=state.pos,
+            product_dtype=model.product_dtype,
         )
         context = CacheContext(
             cache.values,

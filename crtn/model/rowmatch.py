@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from crtn.model.bestrow import chunk_maxima
+
 #: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
 #: in float64), and of the chunk's rows copied into the query's dtype where they are stored in another
 #: (:func:`_chunk_slots`): the slots are scored this many at a time, so memory does not grow with N L L
@@ -77,6 +79,7 @@ def ngram_row_scores(
     bf16_products: bool = True,
     best_row: bool = False,
     top_k: int | None = None,
+    product_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The n-gram row match of token_max, unscaled: max_r (1/w) sum_{a<w} <q_{j-a}, row_{r-s-a}>
     (w = ngram, s = shift; :class:`crtn.model.summary.TokenMax`), for every query against every slot;
@@ -112,10 +115,14 @@ def ngram_row_scores(
             "Positions of retrieved rows"): the first such row where several do.
         top_k: with ``best_row``, a selection of each query's top_k slots reads the rows of
             those alone: on a CPU without a gradient the rows are found only for the slots that
-            can be among them (:func:`_candidate_rows`), -1 for the others, instead of an
-            index-tracking max over the rows of every slot, the part of the match whose cost
-            grows with N (docs/results.md, "Best rows of the candidate slots alone"). None:
-            every slot's row.
+            can be among them (:func:`crtn.model.bestrow.candidate_rows`), -1 for the others,
+            instead of an index-tracking max over the rows of every slot, the part of the match
+            whose cost grows with N (docs/results.md, "Best rows of the candidate slots
+            alone"). None: every slot's row.
+        product_dtype: the dtype of the products <q, row> on the paths other than
+            :func:`_row_max_bf16`, with a gradient and without (:class:`_Chunked`; a selection
+            inside attention whose evaluation must select as it trained, in its
+            ``cache.product_dtype``). None: the query's dtype.
 
     Returns:
         [G, L, n] in the query's dtype; with ``best_row`` the pair (scores, rows [G, L, n] long,
@@ -133,15 +140,46 @@ def ngram_row_scores(
         return _row_max_bf16(
             query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine, best_row=best_row, top_k=top_k
         )
-    if cosine:
-        rows = F.normalize(rows.to(query.dtype), dim=-1)
-        lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, Tensor) else lead
-    if isinstance(lead, LeadIn):  # the other paths read the lead-in rows themselves
-        lead = lead.rows(rows)
-    if no_grad:
-        return _row_max(query, rows, lead, w=ngram, best_row=best_row, top_k=top_k)
-    scores, where = _NgramRowMax.apply(query, rows, ngram, shift, *([] if lead is None else [lead]))
-    return (scores, where) if best_row else scores
+    match = _Chunked(ngram=ngram, shift=shift, best_row=best_row, top_k=top_k, product_dtype=product_dtype)
+    return match(query, rows, lead, cosine=cosine, no_grad=no_grad)
+
+
+@dataclass(frozen=True)
+class _Chunked:
+    """:func:`ngram_row_scores` on its chunked paths (all but :func:`_row_max_bf16`; the fields as
+    its arguments): :func:`_row_max` without a gradient or :class:`_NgramRowMax` with one.
+
+    Their products run in ``product_dtype`` (None: the query's), as bfloat16 autocast runs a
+    matrix product: the query rounded to it once, the rows cast to it chunk by chunk (read as
+    stored where they are stored in it, copied into a contiguous block where it is 16-bit), each
+    product's result in it; the n-gram sums, the max and the gradient's accumulation in the
+    query's dtype, and the backward pass's products in ``product_dtype`` too (docs/results.md,
+    "The best-row gate's products in bfloat16")."""
+
+    ngram: int
+    shift: int
+    best_row: bool
+    top_k: int | None
+    product_dtype: torch.dtype | None
+
+    def __call__(
+        self, query: Tensor, rows: Tensor, lead: Tensor | LeadIn | None, *, cosine: bool, no_grad: bool
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Scores [G, L, n] (and with ``best_row`` the rows) of ``query`` against ``rows`` and their
+        checked ``lead``-in; with ``cosine`` the rows normalised in the query's dtype first."""
+        if cosine:
+            rows = F.normalize(rows.to(query.dtype), dim=-1)
+            lead = F.normalize(lead.to(query.dtype), dim=-1) if isinstance(lead, Tensor) else lead
+        if isinstance(lead, LeadIn):  # these paths read the lead-in rows themselves
+            lead = lead.rows(rows)
+        w, pd = self.ngram, self.product_dtype or query.dtype
+        if no_grad:
+            return _row_max(
+                query, rows, lead, w=w, best_row=self.best_row, top_k=self.top_k, product_dtype=pd
+            )
+        extra = [] if lead is None else [lead]
+        scores, where = _NgramRowMax.apply(query, rows, w, self.shift, pd, *extra)
+        return (scores, where) if self.best_row else scores
 
 
 def _checked_lead(lead: Tensor | LeadIn | None, n_lead: int, seg_len: int) -> Tensor | LeadIn | None:
@@ -178,21 +216,31 @@ def _chunk_slots(query: Tensor, rows: Tensor, n_lead: int, *, cast: bool = True)
     return max(1, budget // max(1, per_slot))
 
 
-def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple[int, int], w: int) -> Tensor:
+def _chunk_sums(
+    query: Tensor,
+    rows: Tensor,
+    lead: Tensor | None,
+    *,
+    span: tuple[int, int],
+    w: int,
+    sums_dtype: torch.dtype | None = None,
+) -> Tensor:
     """The unscaled n-gram sums sum_{a<w} <q_{j-a}, row_{r-s-a}> of slots span = (i0, i1) against
     every query: [G, L, i1-i0, Ls]. One product with the slots' rows and one with their lead-in
-    rows; row r - s - a of a slot is row r - s - a of its rows when that is >= 0, else row
-    w - 1 + s + (r - s - a) of its lead-in, so each diagonal a adds two shifted slices."""
+    rows, in the query's dtype (the rows cast to it); row r - s - a of a slot is row r - s - a of
+    its rows when that is >= 0, else row w - 1 + s + (r - s - a) of its lead-in, so each diagonal
+    a adds two shifted slices. The sums in ``sums_dtype`` (None: the query's)."""
     i0, i1 = span
     G, Lq, d = query.shape
     Ls = rows.shape[2]
-    block = rows[:, i0:i1].to(query.dtype).reshape(G, -1, d)
+    sums_dtype = sums_dtype or query.dtype
+    block = _block(rows[:, i0:i1], query.dtype).reshape(G, -1, d)
     ext = torch.bmm(query, block.transpose(1, 2)).view(G, Lq, i1 - i0, Ls)
     if lead is None:  # w = 1, s = 0: the products themselves
-        return ext
-    before = torch.einsum("bqd,bnrd->bqnr", query, lead[:, i0:i1].to(query.dtype))
+        return ext.to(sums_dtype)
+    before = torch.einsum("bqd,bnrd->bqnr", query, _block(lead[:, i0:i1], query.dtype))
     L, shift = Lq - w + 1, lead.shape[2] - (w - 1)
-    total = ext.new_empty(G, L, i1 - i0, Ls)
+    total = ext.new_empty(G, L, i1 - i0, Ls, dtype=sums_dtype)
     for a in range(w):
         j, k = w - 1 - a, min(shift + a, Ls)  # queries j.. ; the first k rows read the lead-in
         if a == 0:
@@ -204,6 +252,15 @@ def _chunk_sums(query: Tensor, rows: Tensor, lead: Tensor | None, *, span: tuple
     return total
 
 
+def _block(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A chunk's rows ``x`` (a slice of the slots) in the products' ``dtype``, contiguous where it
+    is 16-bit: a CPU's bfloat16 product of a slice of the slots (batch stride N Ls d) ran 3x
+    slower than the copy and the product together (docs/results.md, "The best-row gate's
+    products in bfloat16"). A cast copies anyway; rows stored in ``dtype`` are copied then."""
+    x = x.to(dtype)
+    return x.contiguous() if dtype.itemsize == 2 else x
+
+
 def _row_max(
     query: Tensor,
     rows: Tensor,
@@ -212,22 +269,25 @@ def _row_max(
     w: int,
     best_row: bool = False,
     top_k: int | None = None,
+    product_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ngram_row_scores` where no gradient is needed: the chunks' maxima only (and with
     ``best_row`` the rows that attain them, with ``top_k`` on a CPU those of the candidate slots
     alone), without the check for ties that the backward pass of :class:`_NgramRowMax` reads.
+    The products in ``product_dtype`` (None: the query's), as :class:`_NgramRowMax` runs them.
     Returns [G, L, n], or that and the rows [G, L, n] long."""
     G, Lq, _ = query.shape
     N = rows.shape[1]
     step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
+    q = query.to(product_dtype or query.dtype)
     best = query.new_empty(G, Lq - w + 1, N)
     where = torch.empty(best.shape, dtype=torch.long, device=query.device) if best_row else None
     candidates = top_k is not None and query.device.type == "cpu"
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
-        sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)  # [G, L, n, Ls]
+        sums = _chunk_sums(q, rows, lead, span=(i0, i1), w=w, sums_dtype=query.dtype)  # [G, L, n, Ls]
         at = (slice(None), slice(None), slice(i0, i1))
-        _chunk_maxima(  # in its layout: slots, rows, queries
+        chunk_maxima(  # in its layout: slots, rows, queries
             sums.permute(0, 2, 3, 1),
             best[at].permute(0, 2, 1),
             None if where is None else where[at].permute(0, 2, 1),
@@ -273,7 +333,7 @@ def _row_max_bf16(
     stalls a step whose time is the launching of its kernels. ``n_lead``: w-1+s, the lead-in rows
     per slot (0 without ``lead``). Returns [G, L, n], and with ``best_row`` the rows [G, L, n]
     long that attain the maxima (the first of several equal ones; with ``top_k`` on a CPU those of
-    the candidate slots alone, :func:`_candidate_rows`, -1 elsewhere)."""
+    the candidate slots alone, :func:`crtn.model.bestrow.candidate_rows`, -1 elsewhere)."""
     G, Lq, _ = query.shape
     N, Ls = rows.shape[1], rows.shape[2]
     L, by_pred = Lq - w + 1, isinstance(lead, LeadIn)
@@ -304,7 +364,7 @@ def _row_max_bf16(
                 ext = _ext_gathered(rows[at], lead_at, q_g, scales=scales, dtype=query.dtype)
             # query j (j + w - 1 of the Lq) against row r: sum_{b<w} ext[r + b, j + b], since row
             # r - s - a is ext's row n_lead + r - s - a = r + (w - 1 - a)
-            _chunk_maxima(
+            chunk_maxima(
                 _diagonal_sums(ext, w)[..., :Ls, :],
                 best[gs, i0:i1],
                 None if where is None else where[gs, i0:i1],
@@ -316,41 +376,6 @@ def _row_max_bf16(
     best = best.transpose(1, 2).contiguous()
     best = best.mul_(1.0 / w) if w > 1 else best
     return best if where is None else (best, where.transpose(1, 2).contiguous())
-
-
-def _chunk_maxima(
-    sums: Tensor, best: Tensor, where: Tensor | None, *, top_k: int | None, scored: Tensor | None = None
-) -> None:
-    """One chunk's maxima over the rows, written into best [G, n, L] (views of the callers'
-    outputs): sums [G, n, Ls, L] the n-gram sums of n slots (any strides); with ``where`` [G, n, L]
-    long also the first row attaining each, for every slot or, with ``top_k``, for the slots that
-    can be among each query's top_k (:func:`_candidate_rows`, ``scored`` as there)."""
-    if where is None or top_k is not None:
-        torch.amax(sums, -2, out=best)
-        if where is not None:
-            _candidate_rows(sums, best, top_k, out=where, scored=scored)
-    else:
-        torch.max(sums, -2, out=(best, where))
-
-
-def _candidate_rows(sums: Tensor, top: Tensor, k: int, *, out: Tensor, scored: Tensor | None = None) -> None:
-    """The best rows of the slots that can be among each query's top k, from one chunk of slots:
-    sums [G, n, Ls, L] the n-gram sums (any strides), top [G, n, L] their maxima over the rows;
-    writes the first row attaining each maximum into out [G, n, L] for every slot that scores at
-    least the chunk's k-th best for that query (ties included), -1 for the others. A slot the
-    whole selection takes scores at least the k-th best of all slots, which is at least the
-    chunk's, so it is always among them; so are slots within 2^-16 of the k-th best, which the
-    scaling after the match (1/w, the summary's factor) may round onto it, and NaN scores, which
-    a max takes. ``scored`` [G, n] bool: the slots whose maxima are final (False: scored again
-    later, with their rows; left out of the k-th best, which can only lower it and so keeps more
-    slots). Finding them is a host sync; the index-tracking max runs over the Ls rows of about k
-    slots per query instead of n."""
-    ranked = top if scored is None else top.masked_fill(~scored[..., None], float("-inf"))
-    kth = ranked.topk(min(k, top.shape[1]), dim=1).values[:, -1:]  # [G, 1, L]
-    kth = kth - kth.abs() * 2.0**-16
-    g, i, j = ((top >= kth) | top.isnan()).nonzero(as_tuple=True)
-    out.fill_(-1)
-    out[g, i, j] = sums[g, i, :, j].argmax(-1)
 
 
 def _ext_gathered(
@@ -463,27 +488,36 @@ def _diagonal_sums(x: Tensor, w: int) -> Tensor:
 
 class _NgramRowMax(torch.autograd.Function):
     """:func:`ngram_row_scores` with a chunked forward and a backward that rebuilds each chunk's
-    gradient from the rows that attain the max (recomputing only chunks where several do)."""
+    gradient from the rows that attain the max (recomputing only chunks where several do); the
+    products of both in ``dtype`` (the sums, maxima and gradients in the query's). With products
+    in a narrower dtype than the query's, a max shared by several rows passes its gradient to the
+    first of them, as ``torch.max`` does (a subgradient of the max as valid as the even split):
+    sums of bfloat16-rounded products tie often, and the split would score every chunk again."""
 
     @staticmethod
-    def forward(ctx, query, rows, w, shift, lead=None):  # type: ignore[override]
+    def forward(ctx, query, rows, w, shift, dtype, lead=None):  # type: ignore[override]
         G, Lq, _ = query.shape
         N = rows.shape[1]
         L = Lq - w + 1
         step = _chunk_slots(query, rows, 0 if lead is None else lead.shape[2])
+        q = query.to(dtype)
+        split = dtype.itemsize >= query.dtype.itemsize  # ties split evenly (class docstring)
         best = query.new_empty(G, L, N)
         where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
         tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
-            sums = _chunk_sums(query, rows, lead, span=(i0, i1), w=w)
+            sums = _chunk_sums(q, rows, lead, span=(i0, i1), w=w, sums_dtype=query.dtype)
             top, arg = sums.max(-1)
             best[:, :, i0:i1], where[:, :, i0:i1] = top, arg
-            second = sums.scatter_(-1, arg[..., None], float("-inf")).amax(-1)  # the max elsewhere
-            tied.append((second == top).any())
+            if split:
+                second = sums.scatter_(-1, arg[..., None], float("-inf")).amax(-1)  # the max elsewhere
+                tied.append((second == top).any())
+            else:
+                tied.append(torch.zeros((), dtype=torch.bool, device=query.device))
         if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
             best *= 1.0 / w
-        ctx.w, ctx.step, ctx.has_lead = w, step, lead is not None
+        ctx.w, ctx.step, ctx.has_lead, ctx.dtype = w, step, lead is not None, dtype
         saved = [query, rows, where, torch.stack(tied)] + ([] if lead is None else [lead])
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(where)
@@ -493,24 +527,25 @@ class _NgramRowMax(torch.autograd.Function):
     def backward(ctx, grad, _grad_where=None):  # type: ignore[override]
         query, rows, where, tied, *rest = ctx.saved_tensors
         lead = rest[0] if ctx.has_lead else None
-        w, step = ctx.w, ctx.step
+        w, step, pd = ctx.w, ctx.step, ctx.dtype
         G, Lq, d = query.shape
         N, Ls = rows.shape[1], rows.shape[2]
         L = Lq - w + 1
         n_lead, shift = (0, 0) if lead is None else (lead.shape[2], lead.shape[2] - (w - 1))
         need_q, need_rows = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_lead = lead is not None and ctx.needs_input_grad[4]
+        need_lead = lead is not None and ctx.needs_input_grad[5]
         g_query = torch.zeros_like(query) if need_q else None
         g_rows = torch.zeros(rows.shape, dtype=query.dtype, device=rows.device) if need_rows else None
         g_lead = torch.zeros(lead.shape, dtype=query.dtype, device=lead.device) if need_lead else None
         grad = grad * (1.0 / w)
+        q = query.detach().to(pd)
         for c, i0 in enumerate(range(0, N, step)):
             i1 = min(N, i0 + step)
             n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
             g_ext = query.new_zeros(G, Lq, n, Ls)  # d score / d <q, row>
             g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None  # and lead rows
             if tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
-                sums = _chunk_sums(query.detach(), rows.detach(), lead, span=(i0, i1), w=w)
+                sums = _chunk_sums(q, rows.detach(), lead, span=(i0, i1), w=w, sums_dtype=query.dtype)
                 at = (sums == sums.gather(-1, arg)).to(query.dtype)
                 weight = at * (g / at.sum(-1))[..., None]
                 for a in range(w):  # the transpose of the diagonal sums
@@ -526,17 +561,18 @@ class _NgramRowMax(torch.autograd.Function):
                     if g_before is not None:
                         col = (arg + j).clamp(max=n_lead - 1)
                         g_before[:, j : j + L].scatter_add_(-1, col, g[..., None] * ~in_rows)
-            g_ext = g_ext.view(G, Lq, n * Ls)
+            g_ext = g_ext.view(G, Lq, n * Ls).to(pd)
+            g_before = None if g_before is None else g_before.to(pd)
             if g_query is not None:
-                g_query += torch.bmm(g_ext, rows[:, i0:i1].to(query.dtype).reshape(G, n * Ls, d))
+                g_query += torch.bmm(g_ext, _block(rows[:, i0:i1], pd).reshape(G, n * Ls, d))
                 if g_before is not None:
-                    g_query += torch.einsum("bqnr,bnrd->bqd", g_before, lead[:, i0:i1].to(query.dtype))
+                    g_query += torch.einsum("bqnr,bnrd->bqd", g_before, _block(lead[:, i0:i1], pd))
             if g_rows is not None:
-                g_rows[:, i0:i1] = torch.bmm(g_ext.transpose(1, 2), query).view(G, n, Ls, d)
+                g_rows[:, i0:i1] = torch.bmm(g_ext.transpose(1, 2), q).view(G, n, Ls, d)
             if g_lead is not None:
-                g_lead[:, i0:i1] = torch.einsum("bqnr,bqd->bnrd", g_before, query)
+                g_lead[:, i0:i1] = torch.einsum("bqnr,bqd->bnrd", g_before, q)
         if g_rows is not None:
             g_rows = g_rows.to(rows.dtype)
         if g_lead is not None:
             g_lead = g_lead.to(lead.dtype)
-        return g_query, g_rows, None, None, g_lead
+        return g_query, g_rows, None, None, None, g_lead
