@@ -159,3 +159,57 @@ def test_recall_metrics_match_a_token_by_token_count(mem_len):
     assert got["source_in_cache"] == pytest.approx(counts["cache"] / n_rep, abs=1e-12)
     assert got["source_retrieved"] == pytest.approx(counts["retrieved"] / n_rep, abs=1e-12)
     assert got["copy_retrieved"] == pytest.approx(counts["copy"] / n_rep, abs=1e-12)
+
+
+def test_any_layer_metrics_count_the_slots_of_every_retrieving_layer():
+    """With selection inside attention each retrieving layer selects its own slots, and
+    ``source_retrieved`` reads the top layer's. ``source_retrieved_any_layer`` and
+    ``copy_retrieved_any_layer`` count a repeat token when the slots of any layer hold its source
+    (or the same text): recomputed here token by token from each layer's selection in a
+    step-by-step run of each stream alone, where the top layer's count is ``source_retrieved``
+    again. The corpus is built so that the layers disagree somewhere (the any-layer count exceeds
+    the top layer's)."""
+    torch.manual_seed(0)
+    mem_len = 3
+    options = {"query.strategy": "gate", "cache.layers": None, "cache.top_k": 1}
+    model = tiny_model(
+        V, **{"model.name": "crtn", "model.mem_len": mem_len, "cache.n_slot": N_SLOT, **options}
+    )
+    corpus, _ = _corpus(mem_len)
+    got = evaluate(model, corpus, "valid", batch_size=B, device="cpu")["repeat"]
+
+    n = 1 + N_SEG * L
+    tokens, gaps = corpus.splits["valid"], corpus.repeat_gap["valid"].tolist()
+    labels = corpus.labels["valid"].tolist()
+    counts = dict.fromkeys(("top", "any", "any_copy", "repeat"), 0)
+    for b in range(B):
+        state = None
+        for t in range(N_SEG):
+            t0 = t * L
+            x = tokens[b * n + t0 : b * n + t0 + L][None]
+            y = tokens[b * n + t0 + 1 : b * n + t0 + L + 1][None]
+            with torch.no_grad():
+                out = model(x, y, state)
+            state = out.state
+            starts = [(t0 - s.age[0]).tolist() for s in out.layer_selections]  # per layer: [L][k]
+            for j in range(L):
+                i = b * n + t0 + j + 1
+                if labels[i] <= 1:
+                    continue
+                src = t0 + j + 1 - gaps[i]
+                want = _root(gaps, b * n + src)
+                held = [any(s <= src < s + L for s in layer[j]) for layer in starts]
+                copy = [
+                    any(_root(gaps, b * n + s + r) == want for s in layer[j] if s >= 0 for r in range(L))
+                    for layer in starts
+                ]
+                counts["repeat"] += 1
+                counts["top"] += bool(held and held[-1])
+                counts["any"] += any(held)
+                counts["any_copy"] += any(copy)
+    n_rep = counts["repeat"]
+    assert got["tokens"] == n_rep
+    assert got["source_retrieved"] == pytest.approx(counts["top"] / n_rep, abs=1e-12)
+    assert got["source_retrieved_any_layer"] == pytest.approx(counts["any"] / n_rep, abs=1e-12)
+    assert got["copy_retrieved_any_layer"] == pytest.approx(counts["any_copy"] / n_rep, abs=1e-12)
+    assert counts["top"] < counts["any"]  # the layers disagree: the count is not the top layer's

@@ -365,6 +365,9 @@ class RecallTask(Task):
                 hit = f", retrieved {e['source_retrieved']:.2f}" if "source_retrieved" in e else ""
                 if "copy_retrieved" in e:
                     hit += f" (or a copy {e['copy_retrieved']:.2f})"
+                if "source_retrieved_any_layer" in e:
+                    hit += f"; by any layer {e['source_retrieved_any_layer']:.2f}"
+                    hit += f" (or a copy {e['copy_retrieved_any_layer']:.2f})"
                 parts.append(f"{k} ppl {e['ppl']:.2f} acc {e['acc']:.3f}{src}{hit}")
         return parts
 
@@ -380,8 +383,10 @@ class RecallSums:
         self.gap_all = None if corpus.repeat_gap is None else corpus.repeat_gap[split].to(device)
         self.root_all = None if self.gap_all is None else copy_roots(self.gap_all)
         self.row_base = torch.arange(it.local_batch_size, device=device)[:, None] * it.stream_len
-        # repeat tokens: source in memory, cached, retrieved; all
-        self.where = torch.zeros(5, dtype=torch.float64, device=device)
+        # repeat tokens: source in memory, cached, retrieved; all; a copy retrieved; the source and
+        # a copy retrieved by any retrieving layer (selection inside attention)
+        self.where = torch.zeros(7, dtype=torch.float64, device=device)
+        self.layered = False  # whether the retrieving layers selected apart
 
     def add(self, model: Any, batch: Any, out: Any, state: Any) -> None:
         label = batch.label
@@ -401,6 +406,7 @@ class RecallSums:
                 repeat=masks["repeat"],
                 model=model,
             )
+            self.layered |= len(out.layer_selections) > 1
 
     def metrics(self, corpus: Any, split: str) -> dict[str, Any]:
         """``{"repeat": {...}, "fresh": {...}}``: tokens, loss, ppl, acc, the source's ppl, where the source lay."""
@@ -420,11 +426,14 @@ class RecallSums:
                     entry["source_ppl"] = math.exp(src[m].double().mean().item())
             result[k] = entry
         if self.gap_all is not None and self.where[3] > 0:
-            mem, cached, hit, n, chain = self.where.tolist()
+            mem, cached, hit, n, chain, any_hit, any_chain = self.where.tolist()
             result["repeat"]["source_in_memory"] = mem / n
             result["repeat"]["source_in_cache"] = cached / n
             result["repeat"]["source_retrieved"] = hit / n
             result["repeat"]["copy_retrieved"] = chain / n
+            if self.layered:
+                result["repeat"]["source_retrieved_any_layer"] = any_hit / n
+                result["repeat"]["copy_retrieved_any_layer"] = any_chain / n
         return result
 
 
@@ -440,13 +449,16 @@ def source_location(
 ) -> torch.Tensor:
     """Where the token that each repeated target copies lies, for the passage-recall corpus.
 
-    Returns [5] counts over ``repeat`` targets: source within the memory or current
+    Returns [7] counts over ``repeat`` targets: source within the memory or current
     segment (reachable without retrieval), source in a cached slot, source in one of the
     token's retrieved slots, all repeat targets, and targets for which a retrieved slot
     holds *the same text*: the source or any other copy of the same original passage
     (the source's own source, or another copy made from it; ``root_all``, see
     :func:`copy_roots`). A passage copied more than once appears several times in a
     large cache, and any occurrence lets the model copy. Positions are per-stream (docs/method.md §4).
+    The retrieved slots are ``out.selection``'s (with selection inside attention, the top
+    retrieving layer's); the last two counts are the source and the same text in the slots of
+    any retrieving layer (``out.layer_selections``; the same as the top one's without them).
     """
     L = batch.input.shape[1]
     t0 = batch.index * model.tgt_len
@@ -456,25 +468,38 @@ def source_location(
     in_memory = src >= t0 - min(model.mem_len, t0)  # memory as read during this step
     counts = [(in_memory & repeat).sum()]
     cache = state.cache
+    zero = torch.zeros((), device=repeat.device, dtype=torch.long)
     if cache is not None and cache.n_valid > 0 and out.selection is not None:
         seg = cache.seg_len
         valid_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
         # the cache as it was read during this step: renewal is committed at the next step
         cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
-        pos = t0 - out.selection.age  # [B, L, k]
-        hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+        where = {"src": src, "seg": seg, "root_all": root_all, "row_base": row_base}
+        hit, same = _held(t0 - out.selection.age, **where)
+        layers = [_held(t0 - s.age, **where) for s in out.layer_selections] or [(hit, same)]
+        any_hit = torch.stack([h for h, _ in layers]).any(0)
+        any_same = torch.stack([m for _, m in layers]).any(0)
         counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]
-        # the same text: a row of a selected slot with the source's root
-        flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
-        want = root_all[flat_src.clamp(min=0)]
-        rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
-            max=root_all.numel() - 1
-        )  # [B, L, k, seg] split index of each row of the selected slots
-        # a direct hit is one of these: the source row has the source's root
-        same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
-        chain = (same & repeat).sum()
+        chain, extra = (same & repeat).sum(), [(any_hit & repeat).sum(), (any_same & repeat).sum()]
     else:
-        counts += [torch.zeros((), device=repeat.device, dtype=torch.long)] * 2
-        chain = torch.zeros((), device=repeat.device, dtype=torch.long)
-    counts += [repeat.sum(), chain]
+        counts += [zero] * 2
+        chain, extra = zero, [zero] * 2
+    counts += [repeat.sum(), chain, *extra]
     return torch.stack(counts).double()
+
+
+def _held(
+    pos: torch.Tensor, *, src: torch.Tensor, seg: int, root_all: torch.Tensor, row_base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether the slots starting at stream positions ``pos`` [B, L, k] hold each target's source
+    ``src`` [B, L] (the hit), and whether a row of theirs holds the same text (the source's copy
+    root, :func:`copy_roots`): two [B, L] bool."""
+    hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+    flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
+    want = root_all[flat_src.clamp(min=0)]
+    rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
+        max=root_all.numel() - 1
+    )  # [B, L, k, seg] split index of each row of the selected slots
+    # a direct hit is one of these: the source row has the source's root
+    same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
+    return hit, same

@@ -236,10 +236,10 @@ class CRTN(TransformerLM):
         found = self.retriever.find(self, tokens, state, below=below, kv=kv)
         hids, out = self._retrieving(tokens, state, kv=kv, below=below, found=found)
         nll = None if target is None else self.crit(out, target)
-        if not update:
-            return LMOutput(nll, out, state, found.reported())
+        if update:
+            state = self._renew(state, tokens, hids, kv=kv, r_cur=found.r_cur)
         return LMOutput(
-            nll, out, self._renew(state, tokens, hids, kv=kv, r_cur=found.r_cur), found.reported()
+            nll, out, state, selection=found.reported(), layer_selections=found.layer_selections()
         )
 
     def _below(self, tokens: Tensor, state: CRTNState, kv: StepKV) -> list[Tensor] | None:

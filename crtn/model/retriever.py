@@ -57,6 +57,12 @@ class Found:
             return _reported(gate.selections[-1])
         return self.selection
 
+    def layer_selections(self) -> tuple[Selection, ...]:
+        """A gate's selection at each retrieving layer, bottom first, each as :meth:`reported`
+        gives the top one's; empty without a gate (``LMOutput.layer_selections``)."""
+        gate = None if self.context is None else self.context.gate
+        return () if gate is None else tuple(_reported(s) for s in gate.selections)
+
 
 class Retriever(Protocol):
     """Finds what the retrieving layers of one CRTN step read (module docstring)."""

@@ -83,13 +83,19 @@ class LMOutput:
         hidden: [B, L, d] top-layer output (after the final dropout); ``crit.log_prob(hidden)``
             gives the full next-token distribution.
         state: the state after this segment.
-        selection: the retrieval of this step (crtn with a non-empty cache), else None.
+        selection: the retrieval of this step (crtn with a non-empty cache), else None: the query
+            pass's, or with selection inside attention (``query=gate``) the top retrieving
+            layer's.
+        layer_selections: with selection inside attention, each retrieving layer's own
+            selection, bottom first ([B, L, G*k] each: every head's slots); empty otherwise,
+            where one selection serves every layer.
     """
 
     nll: Tensor | None
     hidden: Tensor
     state: State
     selection: Selection | None = None
+    layer_selections: tuple[Selection, ...] = ()
 
 
 class TransformerLM(nn.Module):

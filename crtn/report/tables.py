@@ -21,6 +21,9 @@ SOURCE_COLS = [
     "repeat_source_in_cache",
     "repeat_source_retrieved",
     "repeat_copy_retrieved",  # the source or another copy of the same text (crtn-eval)
+    # the same in the slots of any retrieving layer (selection inside attention selects per layer)
+    "repeat_source_retrieved_any_layer",
+    "repeat_copy_retrieved_any_layer",
 ]
 #: what crtn-eval says of retrieval on any corpus: mean alpha mass per token, mean distance
 RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
