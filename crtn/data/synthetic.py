@@ -475,8 +475,9 @@ def source_location(
         # the cache as it was read during this step: renewal is committed at the next step
         cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
         where = {"src": src, "seg": seg, "root_all": root_all, "row_base": row_base}
-        hit, same = _held(t0 - out.selection.age, **where)
-        layers = [_held(t0 - s.age, **where) for s in out.layer_selections] or [(hit, same)]
+        # out.selection is the top retrieving layer's, the last of out.layer_selections if any
+        layers = [_held(t0 - s.age, **where) for s in out.layer_selections or [out.selection]]
+        hit, same = layers[-1]
         any_hit = torch.stack([h for h, _ in layers]).any(0)
         any_same = torch.stack([m for _, m in layers]).any(0)
         counts += [(cached & repeat & ~in_memory).sum(), (hit & repeat).sum()]

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from crtn.model.cache import SegmentCache, Selection
-from crtn.model.retrieved import fold, weights_dtype
+from crtn.model.retrieved import fold, products_dtype, weights_dtype
 from crtn.model.rowmatch import ngram_row_scores
 from crtn.model.summary import Summary
 
@@ -136,7 +136,7 @@ class Gate:
 
     def _dtype(self, q: Tensor) -> torch.dtype:
         """The dtype of the gate's products (:attr:`product_dtype`) for queries ``q``."""
-        return weights_dtype(self.product_dtype or self.cache.values.dtype, q)
+        return weights_dtype(products_dtype(self.product_dtype, self.cache.values), q)
 
     def _scores(self, attn: Any, layer: int, qm: Tensor) -> Tensor:
         """Unscaled block scores [B, L, G, n_valid] of folded queries qm [B, Lq, G, d] (Lq - L lead

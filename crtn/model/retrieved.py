@@ -144,7 +144,7 @@ def attend_with_cache(
     C = cache.k * cache.seg_len
     values = cache.values[layer - cache.first_layer]
     groups = cache.slot_groups()
-    dtype = cache.product_dtype or values.dtype
+    dtype = products_dtype(cache.product_dtype, values)
     # a gate's selection folded them (in the queries' dtype, with the gradient of its scores)
     folded = fold(attn, rw_q, dtype=weights_dtype(dtype, rw_q)) if cache.folded is None else cache.folded
     ac_c = _folded_scores(attn, folded, values, groups=groups, dtype=dtype)
@@ -224,6 +224,13 @@ def _folded_mix(
     heads = mix.transpose(0, 1).to(w_dtype, memory_format=torch.contiguous_format)
     out = torch.bmm(heads, w_v.to(w_dtype).transpose(1, 2))  # [H, T, dh]
     return out.transpose(0, 1).to(prob_c.dtype, memory_format=torch.contiguous_format)
+
+
+def products_dtype(product_dtype: torch.dtype | None, values: Tensor) -> torch.dtype:
+    """The dtype of the products with the cached rows ``values`` [..., Ls, d]: ``product_dtype``
+    (``cache.product_dtype``), or where it is None the dtype the rows are stored in
+    (docs/method.md §3, "The products' dtype")."""
+    return product_dtype or values.dtype
 
 
 def weights_dtype(dtype: torch.dtype, x: Tensor) -> torch.dtype:

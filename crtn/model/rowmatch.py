@@ -504,7 +504,7 @@ class _NgramRowMax(torch.autograd.Function):
         split = dtype.itemsize >= query.dtype.itemsize  # ties split evenly (class docstring)
         best = query.new_empty(G, L, N)
         where = torch.empty(G, L, N, dtype=torch.long, device=query.device)
-        tied = []  # per chunk: whether several rows attain a max (no host sync in the loop)
+        tied = []  # per chunk where ties split: whether several rows attain a max (no host sync)
         for i0 in range(0, N, step):
             i1 = min(N, i0 + step)
             sums = _chunk_sums(q, rows, lead, span=(i0, i1), w=w, sums_dtype=query.dtype)
@@ -513,12 +513,11 @@ class _NgramRowMax(torch.autograd.Function):
             if split:
                 second = sums.scatter_(-1, arg[..., None], float("-inf")).amax(-1)  # the max elsewhere
                 tied.append((second == top).any())
-            else:
-                tied.append(torch.zeros((), dtype=torch.bool, device=query.device))
         if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
             best *= 1.0 / w
         ctx.w, ctx.step, ctx.has_lead, ctx.dtype = w, step, lead is not None, dtype
-        saved = [query, rows, where, torch.stack(tied)] + ([] if lead is None else [lead])
+        tied = torch.stack(tied) if split else where.new_zeros(0, dtype=torch.bool)
+        saved = [query, rows, where, tied] + ([] if lead is None else [lead])
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(where)
         return best, where
@@ -544,7 +543,7 @@ class _NgramRowMax(torch.autograd.Function):
             n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
             g_ext = query.new_zeros(G, Lq, n, Ls)  # d score / d <q, row>
             g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None  # and lead rows
-            if tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
+            if len(tied) and tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
                 sums = _chunk_sums(q, rows.detach(), lead, span=(i0, i1), w=w, sums_dtype=query.dtype)
                 at = (sums == sums.gather(-1, arg)).to(query.dtype)
                 weight = at * (g / at.sum(-1))[..., None]
