@@ -6,7 +6,9 @@
   analysis; word-level corpora);
 - :class:`crtn.analysis.distance.DistanceBuckets`: loss by the distance back to the previous
   occurrence of the target (and of the longest n-gram ending at it) in its stream (every corpus);
-- retrieval statistics of models with a cache (:class:`crtn.model.RetrievalStats`).
+- retrieval statistics of models with a cache (:class:`crtn.model.RetrievalStats`): of the
+  reported selection (the top retrieving layer's) and, with selection inside attention, of each
+  retrieving layer's.
 
 :class:`Measures` holds the ones that apply to a corpus and model; :func:`crtn.evaluate.evaluate`
 feeds it every segment and merges :meth:`Measures.metrics` into its result.
@@ -60,6 +62,7 @@ class Measures:
             self.tokens[1].append(batch.target.cpu())
         if out.selection is not None:
             self.stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
+            self.stats.update_layers(out.layer_selections, state.cache.seg_len)
         if self.recall is not None:
             self.recall.add(model, batch, out, state)
 

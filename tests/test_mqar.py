@@ -191,7 +191,7 @@ def reference_answers(model, corpus, split, batch_size):
     gaps = corpus.labels[split][: it.stream_len * batch_size].view(batch_size, -1).tolist()
     buckets = corpus.info["gap_buckets"]
     state = model.init_state(batch_size, "cpu")
-    acc = {"all": [0, 0], "cut": 0, "where": [0, 0, 0, 0]}
+    acc = {"all": [0, 0], "cut": 0, "where": [0, 0, 0, 0, 0]}
     per_bucket = {f"{lo}-{hi}": [0.0, 0, 0] for lo, hi in buckets}
     with torch.no_grad():
         for batch in it:
@@ -223,6 +223,10 @@ def reference_answers(model, corpus, split, batch_size):
                         if out.selection is not None:
                             picked = [t0 - int(a) for a in out.selection.age[b, j]]
                             acc["where"][2] += any(p <= src < p + cache.seg_len for p in picked)
+                            layers = [[t0 - int(a) for a in s.age[b, j]] for s in out.layer_selections]
+                            acc["where"][4] += any(
+                                p <= src < p + cache.seg_len for layer in layers or [picked] for p in layer
+                            )
                     acc["where"][3] += 1
     return acc, per_bucket
 
@@ -257,6 +261,57 @@ def test_answer_metrics_match_a_plain_loop(name):
     else:
         assert "pair_in_cache" not in a and "pair_retrieved" not in a
     assert "repeat" not in m and "freq_buckets" not in m
+    assert "pair_retrieved_any_layer" not in a  # one selection serves every layer, or none
+
+
+def test_gate_answer_metrics_count_the_slots_of_every_retrieving_layer():
+    """With selection inside attention (query=gate, both layers retrieving) ``pair_retrieved``
+    reads the top layer's slots and ``pair_retrieved_any_layer`` the slots of either layer, each
+    recomputed by the plain loop from the model's outputs."""
+    torch.manual_seed(0)
+    corpus = make_mqar(TINY_MQAR)
+    options = {"query.strategy": "gate", "cache.layers": None, "cache.top_k": 2}
+    # 24 slots of 3 tokens: the cache holds most stored values (gaps 33..79)
+    model = tiny_model(len(corpus.vocab), **{"model.name": "crtn", "cache.n_slot": 24, **options})
+    a = evaluate(model, corpus, "valid", batch_size=2, device="cpu")["answers"]
+    ref, _ = reference_answers(model, corpus, "valid", 2)
+    n = ref["where"][3]
+    assert a["tokens"] == n > 20
+    assert a["pair_retrieved"] == pytest.approx(ref["where"][2] / n)
+    assert a["pair_retrieved_any_layer"] == pytest.approx(ref["where"][4] / n)
+    # the layers disagree: the any-layer count is not the top layer's
+    assert 0 < ref["where"][2] < ref["where"][4] <= ref["where"][1]
+
+
+def test_pair_retrieved_any_layer_by_hand():
+    """Two retrieving layers select apart: a stored value in a slot only the bottom layer
+    retrieved counts in ``pair_retrieved_any_layer`` and not in ``pair_retrieved`` (the top
+    layer's); one a non-answer's slots hold counts in neither."""
+    corpus = SimpleNamespace(name="mqar", info={"gap_buckets": [[30, 59], [60, 80]], "n_values": 16})
+    # four cached slots of 3 tokens at stream positions 0, 3, 6, 9; the step starts at t0 = 30
+    cache = SimpleNamespace(pos=torch.tensor([[0, 3, 6, 9]]), n_valid=4, seg_len=3)
+    t0 = 30
+    answer = torch.tensor([[True, True, True, False]])
+    src = torch.tensor([[1, 4, 10, 7]])  # stored values in the slots at 0, 3, 9 and 6
+    # slot starts t0 - age; top (k = 1): 0, 9, 6, 6; bottom (k = 2): (6, 9), (3, 0), (0, 3), (6, 6)
+    top = SimpleNamespace(age=t0 - torch.tensor([[[0], [9], [6], [6]]]))
+    bottom = SimpleNamespace(age=t0 - torch.tensor([[[6, 9], [3, 0], [0, 3], [6, 6]]]))
+    layered = AnswerSums(corpus, "cpu")
+    layered.has_cache = True
+    layered.locate(answer, src, t0, mem_len=3, cache=cache, selection=top, layer_selections=(bottom, top))
+    # in memory (src >= 27): none; cached: 3 answers; top: src 1; either layer: src 1 and 4
+    assert layered.where.tolist() == [0, 3, 1, 3, 2]
+    assert layered.layered
+    a = layered.metrics()["answers"]
+    assert a["pair_in_cache"] == 1.0
+    assert a["pair_retrieved"] == pytest.approx(1 / 3)
+    assert a["pair_retrieved_any_layer"] == pytest.approx(2 / 3)
+
+    single = AnswerSums(corpus, "cpu")  # one selection serves every layer: no any-layer entry
+    single.has_cache = True
+    single.locate(answer, src, t0, mem_len=3, cache=cache, selection=top)
+    assert single.where.tolist() == [0, 3, 1, 3, 1] and not single.layered
+    assert "pair_retrieved_any_layer" not in single.metrics()["answers"]
 
 
 def test_answer_sums_by_hand():
@@ -307,6 +362,8 @@ def test_format_answers_by_hand():
         format_answers(m)
     )
     assert format_answers({"split": "test"}) == []
+    m["answers"]["pair_retrieved_any_layer"] = 0.95
+    assert format_answers(m)[1].endswith("pair retrieved 0.90; by any layer 0.95")
 
 
 def test_train_and_eval_report_the_answer_metrics(tmp_path):

@@ -355,9 +355,13 @@ class AnswerSums:
         sums: ``float64 [n_buckets, 3]``: NLL (nats), correct predictions and count of the
             answers of each gap bucket.
         all_tokens: ``float64 [2]``: correct predictions and count over every target.
-        where: ``float64 [4]``: answers whose stored value lay in the memory or the current
-            segment, in a cached slot, in a slot the answer's token retrieved; answers counted.
+        where: ``float64 [5]``: answers whose stored value lay in the memory or the current
+            segment, in a cached slot, in a slot the answer's token retrieved (with selection
+            inside attention, at the top retrieving layer); answers counted; answers whose stored
+            value lay in a slot that any retrieving layer retrieved for the answer's token.
         cut: answers whose stored value lies before their stream's start.
+        layered: whether more than one retrieving layer selected its own slots (selection inside
+            attention), so that the any-layer count differs in kind from the top layer's.
     """
 
     def __init__(self, corpus: Any, device: torch.device | str):
@@ -367,20 +371,29 @@ class AnswerSums:
         self.n_values = int(corpus.info["n_values"])
         self.sums = torch.zeros(len(buckets), 3, dtype=torch.float64, device=device)
         self.all_tokens = torch.zeros(2, dtype=torch.float64, device=device)
-        self.where = torch.zeros(4, dtype=torch.float64, device=device)
+        self.where = torch.zeros(5, dtype=torch.float64, device=device)
         self.cut = torch.zeros((), dtype=torch.float64, device=device)
         self.has_cache = False
+        self.layered = False
 
     def add(self, model: Any, batch: Any, out: Any, state: Any) -> None:
         """Add one segment: ``batch`` (a :class:`crtn.data.Batch` with labels), the model's output
-        ``out`` (``nll`` [B, L'], ``hidden``, ``selection``) and the state after it (its cache as
-        read during this step)."""
+        ``out`` (``nll`` [B, L'], ``hidden``, ``selection``, ``layer_selections``) and the state
+        after it (its cache as read during this step)."""
         pred = model.crit.log_prob(out.hidden).argmax(-1)
         t0 = batch.index * model.tgt_len
         answer, src = self.update(batch.label, batch.target, out.nll, pred=pred, t0=t0)
         self.has_cache = self.has_cache or bool(getattr(model, "has_cache", False))
         cache = getattr(state, "cache", None)
-        self.locate(answer, src, t0, mem_len=model.mem_len, cache=cache, selection=out.selection)
+        self.locate(
+            answer,
+            src,
+            t0,
+            mem_len=model.mem_len,
+            cache=cache,
+            selection=out.selection,
+            layer_selections=out.layer_selections,
+        )
 
     def update(
         self, label: torch.Tensor, target: torch.Tensor, nll: torch.Tensor, pred: torch.Tensor, t0: int
@@ -410,31 +423,53 @@ class AnswerSums:
         return answer, src
 
     def locate(
-        self, answer: torch.Tensor, src: torch.Tensor, t0: int, mem_len: int, cache: Any, selection: Any
+        self,
+        answer: torch.Tensor,
+        src: torch.Tensor,
+        t0: int,
+        *,
+        mem_len: int,
+        cache: Any,
+        selection: Any,
+        layer_selections: tuple[Any, ...] = (),
     ) -> None:
         """Count where the stored values of the ``answer`` targets lay (positions ``src``, [B, L']):
         within the memory or the current segment (``src >= t0 - min(mem_len, t0)``), in a valid
         slot of ``cache`` (a :class:`crtn.model.cache.SegmentCache` or None: ``pos``,
         ``n_valid``, ``seg_len``), in one of the slots ``selection`` retrieved for that target
-        (``age`` [B, L', k]; None: none retrieved)."""
+        (``age`` [B, L', k] in tokens; None: none retrieved; with selection inside attention the
+        top retrieving layer's), and in one of the slots any of ``layer_selections`` retrieved
+        (each retrieving layer's selection, bottom first, ``age`` [B, L', k]; empty: only
+        ``selection``'s)."""
         in_memory = src >= t0 - min(mem_len, t0)
         zero = torch.zeros((), dtype=torch.long, device=src.device)
-        cached, hit = zero, zero
+        cached, hit, any_hit = zero, zero, zero
+        self.layered |= len(layer_selections) > 1
         if cache is not None and cache.n_valid > 0:
             seg, s = cache.seg_len, src[..., None]
             slot_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
             cached = (((slot_pos <= s) & (s < slot_pos + seg)).any(-1) & answer).sum()
             if selection is not None:
-                sel_pos = t0 - selection.age  # [B, L', k] stream position of each selected slot
-                hit = (((sel_pos <= s) & (s < sel_pos + seg)).any(-1) & answer).sum()
-        self.where += torch.stack([(in_memory & answer).sum(), cached, hit, answer.sum()]).double()
+
+                def holds(sel: Any) -> torch.Tensor:  # [B, L']: a selected slot holds src
+                    start = t0 - sel.age  # [B, L', k] stream position of each selected slot
+                    return ((start <= s) & (s < start + seg)).any(-1)
+
+                hit = (holds(selection) & answer).sum()
+                held = torch.stack([holds(sel) for sel in layer_selections or (selection,)])
+                any_hit = (held.any(0) & answer).sum()
+        counts = [(in_memory & answer).sum(), cached, hit, answer.sum(), any_hit]
+        self.where += torch.stack(counts).double()
 
     def metrics(self, corpus: Any = None, split: str | None = None) -> dict[str, Any]:
         """``{"acc": accuracy on all tokens, "answers": {...}}``: the answers' ``tokens``, ``loss``
         (nats), ``ppl``, ``acc``, ``chance_acc`` (1 / n_values), ``chance_loss`` (ln n_values),
         ``cut``, ``by_gap`` (per bucket ``tokens``, ``loss``, ``acc``), ``pair_in_memory``, and
         for a model with a cache ``pair_in_cache`` and ``pair_retrieved`` (fractions of the
-        answers; see :meth:`locate`). ``corpus`` and ``split`` are unused (the signature of
+        answers; see :meth:`locate`; ``pair_retrieved`` reads the top retrieving layer's slots),
+        and where more than one layer retrieved (selection inside attention)
+        ``pair_retrieved_any_layer`` (the stored value in a slot of any retrieving layer).
+        ``corpus`` and ``split`` are unused (the signature of
         :meth:`crtn.data.task.Task.measure`'s sums)."""
         correct, count = self.all_tokens.tolist()
         result: dict[str, Any] = {"acc": correct / count if count else None}
@@ -449,11 +484,13 @@ class AnswerSums:
             if b_n > 0:
                 e.update(loss=b_nll / b_n, acc=b_right / b_n)
             entry["by_gap"][name] = e
-        mem, cached, hit, located = self.where.tolist()
+        mem, cached, hit, located, any_hit = self.where.tolist()
         if located > 0:
             entry["pair_in_memory"] = mem / located
             if self.has_cache:
                 entry.update(pair_in_cache=cached / located, pair_retrieved=hit / located)
+            if self.has_cache and self.layered:
+                entry["pair_retrieved_any_layer"] = any_hit / located
         result["answers"] = entry
         return result
 
@@ -461,12 +498,15 @@ class AnswerSums:
 def format_answers(m: dict[str, Any]) -> list[str]:
     """Parts of :func:`crtn.evaluate.format_metrics`'s line for the MQAR metrics of ``m`` (none
     without them): ``acc 0.412 | answers ppl 3.10 acc 0.650 (chance 0.002; by gap 1024-2047
-    0.700, ...), pair retrieved 0.91``."""
+    0.700, ...), pair retrieved 0.91`` (the top retrieving layer's), then ``; by any layer
+    0.95`` where ``pair_retrieved_any_layer`` is reported."""
     a = m.get("answers")
     if not a or "acc" not in a:
         return []
     gaps = ", ".join(f"{k} {e['acc']:.3f}" for k, e in a["by_gap"].items() if "acc" in e)
     where = f", pair retrieved {a['pair_retrieved']:.2f}" if "pair_retrieved" in a else ""
+    if "pair_retrieved_any_layer" in a:
+        where += f"; by any layer {a['pair_retrieved_any_layer']:.2f}"
     return [
         f"acc {m['acc']:.3f}",
         f"answers ppl {a['ppl']:.2f} acc {a['acc']:.3f} (chance {a['chance_acc']:.3f}; by gap {gaps}){where}",

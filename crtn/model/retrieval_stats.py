@@ -1,8 +1,11 @@
 """Statistics of what retrieval did over an evaluation (``crtn-eval``'s ``retrieval`` block in
-``eval.json``; docs/method.md §5): the distances of the selected segments and the weights alpha."""
+``eval.json``; docs/method.md §5): the distances of the selected segments and the weights alpha,
+of the model's reported selection (``LMOutput.selection``: with selection inside attention the top
+retrieving layer's) and, where more than one layer retrieves, of each retrieving layer's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +22,10 @@ class RetrievalStats:
       share of the largest weight in it (``alpha_top_share``: 1/k = spread evenly, 1 = one
       segment takes all), each as a histogram of :data:`ALPHA_BINS` bins.
 
+    :meth:`update` counts the reported selection (with selection inside attention, the top
+    retrieving layer's); :meth:`update_layers` counts each retrieving layer's own selection in
+    :attr:`layers` (bottom first), kept only where more than one layer retrieves.
+
     Cheap enough to leave on in evaluation: a few ``bincount`` per step, no host sync.
     """
 
@@ -33,6 +40,7 @@ class RetrievalStats:
         self.share_hist: Tensor | None = None
         self.mass_hist: Tensor | None = None
         self.mass_max = 1.0
+        self.layers: list[RetrievalStats] = []  # one per retrieving layer, bottom first
 
     def update(self, age: Tensor, seg_len: int, alpha: Tensor | None = None) -> None:
         """Count one step's selections: age [B, L, k] in tokens; alpha [B, L, k] their weights."""
@@ -48,6 +56,24 @@ class RetrievalStats:
             self.hist[: counts.numel()] += counts
         self.seg_len = seg_len
         self.n_selected += seg.numel()
+
+    def update_layers(self, selections: Sequence[Any], seg_len: int) -> None:
+        """Count one step's selection at each retrieving layer into :attr:`layers`.
+
+        Args:
+            selections: each retrieving layer's selection, bottom first (``LMOutput.layer_selections``),
+                each with ``age`` [B, L, k] in tokens and ``alpha`` [B, L, k]; fewer than two
+                (one selection serves every layer): nothing is counted.
+            seg_len: tokens per cached segment.
+        """
+        if len(selections) < 2:
+            return
+        if not self.layers:
+            self.layers = [RetrievalStats() for _ in selections]
+        if len(selections) != len(self.layers):
+            raise ValueError(f"{len(selections)} retrieving layers after {len(self.layers)}")
+        for stats, sel in zip(self.layers, selections):
+            stats.update(sel.age, seg_len, sel.alpha)
 
     def _update_alpha(self, alpha: Tensor) -> None:
         n = self.ALPHA_BINS
@@ -65,7 +91,9 @@ class RetrievalStats:
     def summary(self) -> dict[str, Any]:
         """JSON-ready: ``distance_hist`` (count per distance in segments), ``seg_len``, mean
         distance (tokens); ``alpha_mass_mean``, ``alpha_mass_hist`` (bins of width mass_max/10
-        over [0, ``alpha_mass_max``]) and ``alpha_top_share_hist`` (bins of 0.1 over [0, 1])."""
+        over [0, ``alpha_mass_max``]) and ``alpha_top_share_hist`` (bins of 0.1 over [0, 1]), all
+        of the reported selection (the top retrieving layer's); where :attr:`layers` counted more
+        than one retrieving layer, ``layers``: their summaries with the same keys, bottom first."""
         out: dict[str, Any] = {"distance_hist": [], "seg_len": self.seg_len, "mean_distance_tokens": None}
         if self.hist is not None:
             hist = self.hist.cpu().tolist()
@@ -79,4 +107,6 @@ class RetrievalStats:
                 alpha_mass_hist=self.mass_hist.cpu().tolist(),
                 alpha_top_share_hist=self.share_hist.cpu().tolist(),
             )
+        if self.layers:
+            out["layers"] = [stats.summary() for stats in self.layers]
         return out
