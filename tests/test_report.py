@@ -22,6 +22,7 @@ import yaml
 
 from crtn.errors import UserError
 from crtn.report import load_jobs, main, write_report
+from crtn.report.plots import distance_series, plot_distance_hist
 from tests.helpers import TINY_RUN, cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -543,3 +544,30 @@ def test_across_seeds_gives_mean_and_sample_deviation_per_configuration(tmp_path
     assert txl["test_by_seed"] == "1111: 510, 2: 503, 3: 520" and txl["metric"] == "ppl"
     md = files["report.md"].read_text()
     assert "## Across seeds (`seeds.csv`)" in md and "| model=crtn | 2 |" in md
+
+
+def test_distance_plot_draws_each_retrieving_layer(tmp_path):
+    """A job whose evaluation reports each retrieving layer (``retrieval.layers``) gets one line
+    per layer, bottom first, each with its own histogram and mean; a job without gets one line."""
+    results = make_sweep(tmp_path / "sweep")
+    res = results["1"]
+    bottom = {"distance_hist": [0, 5, 3], "mean_distance_tokens": 70.4}
+    top = {"distance_hist": [0, 0, 900, 700], "mean_distance_tokens": 301.7}
+    res["test"]["retrieval"] = {**top, "seg_len": 64, "layers": [bottom, top]}
+    (tmp_path / "sweep" / "1" / "results.json").write_text(json.dumps(res))
+    jobs = {j.name: j for j in load_jobs(tmp_path / "sweep")}
+    series = distance_series([jobs["1"]])
+    assert [(name, hist, seg, m) for _, name, hist, seg, m in series] == [
+        ("layer 1 of 2", [0, 5, 3], 64, 70.4),
+        ("layer 2 of 2", [0, 0, 900, 700], 64, 301.7),
+    ]
+    assert [name for _, name, *_ in distance_series([jobs["0"], jobs["1"]])] == [
+        "layer 1 of 2",
+        "layer 2 of 2",
+    ]
+    del res["test"]["retrieval"]["layers"]
+    (tmp_path / "sweep" / "1" / "results.json").write_text(json.dumps(res))
+    one = distance_series(load_jobs(tmp_path / "sweep"))
+    assert [(name, hist) for _, name, hist, *_ in one] == [("", [0, 0, 900, 700])]
+    assert plot_distance_hist(list(jobs.values()), tmp_path / "d.png", "t", {j: "C0" for j in jobs})
+    assert (tmp_path / "d.png").stat().st_size > 0

@@ -194,29 +194,53 @@ def plot_test_bars(jobs: list[Job], path: Path, title: str, colors: dict[str, An
     return True
 
 
-def plot_distance_hist(jobs: list[Job], path: Path, title: str, colors: dict[str, Any]) -> bool:
-    """Fraction of cache selections per distance (tokens) of the selected segment, one line per job."""
+def distance_series(jobs: list[Job]) -> list[tuple[Job, str, list[int], int, float | None]]:
+    """The lines of :func:`plot_distance_hist`: per job with retrieval statistics ``(job, layer
+    label, distance_hist, seg_len, mean distance in tokens)``; where the job's evaluation reports
+    each retrieving layer (``retrieval.layers``, selection inside attention) one line per layer,
+    bottom first, labelled ``layer i of n`` (the last is the top-level statistics' layer), else one
+    line labelled ``""``."""
     series = []
     for j in jobs:
         ret = (j.final() or {}).get("retrieval") or {}
-        hist, seg = ret.get("distance_hist"), ret.get("seg_len")
-        if isinstance(hist, list) and hist and isinstance(seg, (int, float)) and sum(hist) > 0:
-            series.append((j, hist, seg, ret.get("mean_distance_tokens")))
+        layers = ret.get("layers")
+        parts = (
+            [(f"layer {i + 1} of {len(layers)}", r) for i, r in enumerate(layers)] if layers else [("", ret)]
+        )
+        for name, r in parts:
+            hist, seg = r.get("distance_hist"), ret.get("seg_len")
+            if isinstance(hist, list) and hist and isinstance(seg, (int, float)) and sum(hist) > 0:
+                series.append((j, name, hist, int(seg), r.get("mean_distance_tokens")))
+    return series
+
+
+def plot_distance_hist(jobs: list[Job], path: Path, title: str, colors: dict[str, Any]) -> bool:
+    """Fraction of cache selections per distance (tokens) of the selected segment: one line per
+    job, or per retrieving layer of a job that reports them (:func:`distance_series`; the layers
+    in the job's colour, one line style each)."""
+    series = distance_series(jobs)
     if not series:
         return False
-    first = min(next(i for i, c in enumerate(h) if c) for _, h, _, _ in series)
+    first = min(next(i for i, c in enumerate(h) if c) for _, _, h, _, _ in series)
     labels = [
-        j.label + (f" (mean {m:,.0f} tokens)" if isinstance(m, (int, float)) else "") for j, _, _, m in series
+        j.label
+        + (f", retrieving {name}" if name else "")
+        + (f" (mean {m:,.0f} tokens)" if isinstance(m, (int, float)) else "")
+        for j, name, _, _, m in series
     ]
     ncol, extra = legend_layout(labels, 10)
     fig = figure(10, 5.2 + extra)
     ax = fig.subplots()
-    for (j, hist, seg, _), lab in zip(series, labels):
+    styles = ("-", "--", ":", "-.")
+    layer_of: dict[str, int] = {}
+    for (j, _layer, hist, seg, _), lab in zip(series, labels):
+        layer_of[j.name] = layer_of.get(j.name, -1) + 1  # the job's how-many-th line
         total = sum(hist)
-        xs = [i * seg for i in range(first, len(hist))]
+        xs = [d * seg for d in range(first, len(hist))]
         ys = [c / total for c in hist[first:]]
         marker = {"marker": "o", "markersize": 4} if len(xs) <= 40 else {}
-        ax.plot(xs, ys, linewidth=1.5, color=colors[j.name], label=lab, **marker)
+        ls = styles[layer_of[j.name] % len(styles)]
+        ax.plot(xs, ys, linewidth=1.5, color=colors[j.name], linestyle=ls, label=lab, **marker)
     ax.set_xlabel("distance of the selected segment (tokens = segments back × seg_len)")
     ax.set_ylabel("fraction of cache selections")
     ax.set_ylim(0, None)
