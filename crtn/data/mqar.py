@@ -68,7 +68,7 @@ import torch
 
 from crtn.data.base import SPLITS, Corpus
 from crtn.data.spec import MqarSpec, metric_name
-from crtn.data.task import Task, scored_tokens
+from crtn.data.task import Task, scored_tokens, slots_hold
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -446,18 +446,15 @@ class AnswerSums:
         cached, hit, any_hit = zero, zero, zero
         self.layered |= len(layer_selections) > 1
         if cache is not None and cache.n_valid > 0:
-            seg, s = cache.seg_len, src[..., None]
+            seg = cache.seg_len
             slot_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
-            cached = (((slot_pos <= s) & (s < slot_pos + seg)).any(-1) & answer).sum()
+            cached = (slots_hold(slot_pos, seg, src) & answer).sum()
             if selection is not None:
-
-                def holds(sel: Any) -> torch.Tensor:  # [B, L']: a selected slot holds src
-                    start = t0 - sel.age  # [B, L', k] stream position of each selected slot
-                    return ((start <= s) & (s < start + seg)).any(-1)
-
-                hit = (holds(selection) & answer).sum()
-                held = torch.stack([holds(sel) for sel in layer_selections or (selection,)])
-                any_hit = (held.any(0) & answer).sum()
+                # selection is the top retrieving layer's, the last of layer_selections if any
+                held = torch.stack(
+                    [slots_hold(t0 - s.age, seg, src) for s in layer_selections or (selection,)]
+                )
+                hit, any_hit = (held[-1] & answer).sum(), (held.any(0) & answer).sum()
         counts = [(in_memory & answer).sum(), cached, hit, answer.sum(), any_hit]
         self.where += torch.stack(counts).double()
 

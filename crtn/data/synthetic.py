@@ -34,7 +34,7 @@ import torch
 
 from crtn.data.base import SPLITS, Corpus
 from crtn.data.spec import SyntheticSpec, metric_name
-from crtn.data.task import Task
+from crtn.data.task import Task, slots_hold
 from crtn.data.vocab import EOS, Vocab
 from crtn.errors import ConfigError
 
@@ -473,7 +473,7 @@ def source_location(
         seg = cache.seg_len
         valid_pos = cache.pos[:, : cache.n_valid][:, None, :]  # [B, 1, n_valid]
         # the cache as it was read during this step: renewal is committed at the next step
-        cached = ((valid_pos <= src[..., None]) & (src[..., None] < valid_pos + seg)).any(-1)
+        cached = slots_hold(valid_pos, seg, src)
         where = {"src": src, "seg": seg, "root_all": root_all, "row_base": row_base}
         # out.selection is the top retrieving layer's, the last of out.layer_selections if any
         layers = [_held(t0 - s.age, **where) for s in out.layer_selections or [out.selection]]
@@ -495,7 +495,7 @@ def _held(
     """Whether the slots starting at stream positions ``pos`` [B, L, k] hold each target's source
     ``src`` [B, L] (the hit), and whether a row of theirs holds the same text (the source's copy
     root, :func:`copy_roots`): two [B, L] bool."""
-    hit = ((pos <= src[..., None]) & (src[..., None] < pos + seg)).any(-1)
+    hit = slots_hold(pos, seg, src)
     flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
     want = root_all[flat_src.clamp(min=0)]
     rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(

@@ -40,6 +40,15 @@ def scored_tokens(label: Tensor | None, device: torch.device | str = "cpu") -> t
     return scored, scored.sum().clamp(min=1)
 
 
+def slots_hold(start: Tensor, seg_len: int, pos: Tensor) -> Tensor:
+    """Whether one of the slots starting at stream positions ``start`` [B, L | 1, k] (each
+    ``seg_len`` tokens long) holds the stream position ``pos`` [B, L] of each target: [B, L] bool.
+    The recall corpora's evaluations locate a target's source this way, in the cached slots and in
+    the selected ones (docs/method.md §4)."""
+    p = pos[..., None]
+    return ((start <= p) & (p < start + seg_len)).any(-1)
+
+
 class Task:
     """Language modelling of a text corpus: every target token scored, the validation loss
     selects, no sums beyond the evaluation's own (module docstring). Subclasses register

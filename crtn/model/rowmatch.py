@@ -515,8 +515,8 @@ class _NgramRowMax(torch.autograd.Function):
                 tied.append((second == top).any())
         if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
             best *= 1.0 / w
-        ctx.w, ctx.step, ctx.has_lead, ctx.dtype = w, step, lead is not None, dtype
-        tied = torch.stack(tied) if split else where.new_zeros(0, dtype=torch.bool)
+        ctx.w, ctx.step, ctx.has_lead, ctx.dtype, ctx.split = w, step, lead is not None, dtype, split
+        tied = torch.stack(tied) if split else where.new_zeros(0, dtype=torch.bool)  # unread
         saved = [query, rows, where, tied] + ([] if lead is None else [lead])
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(where)
@@ -543,7 +543,7 @@ class _NgramRowMax(torch.autograd.Function):
             n, g, arg = i1 - i0, grad[:, :, i0:i1], where[:, :, i0:i1, None]
             g_ext = query.new_zeros(G, Lq, n, Ls)  # d score / d <q, row>
             g_before = query.new_zeros(G, Lq, n, n_lead) if lead is not None else None  # and lead rows
-            if len(tied) and tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
+            if ctx.split and tied[c]:  # several rows attain a max: split evenly (as torch.amax does)
                 sums = _chunk_sums(q, rows.detach(), lead, span=(i0, i1), w=w, sums_dtype=query.dtype)
                 at = (sums == sums.gather(-1, arg)).to(query.dtype)
                 weight = at * (g / at.sum(-1))[..., None]
