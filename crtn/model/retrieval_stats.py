@@ -65,6 +65,9 @@ class RetrievalStats:
                 each with ``age`` [B, L, k] in tokens and ``alpha`` [B, L, k]; fewer than two
                 (one selection serves every layer): nothing is counted.
             seg_len: tokens per cached segment.
+
+        Raises:
+            ValueError: the number of retrieving layers differs from the first counted step's.
         """
         if len(selections) < 2:
             return
