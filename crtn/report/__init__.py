@@ -16,15 +16,28 @@ Files written (each only when there is something to show):
 - ``report.csv``: one row per ``crtn-train`` job, sorted by job number: job, status, model,
   data, query, summary, n_slot, top_k, tgt_len, mem_len, params, steps, ``valid_<metric>``,
   ``test_<metric>`` (metric ``ppl`` or ``bpc``), on the synthetic corpus the test split's
-  ``test_repeat_ppl``, ``test_repeat_acc``, ``test_fresh_ppl``, ``test_fresh_acc``, then
-  ``tokens_per_s``, ``train_time_s``, ``note`` and ``overrides`` (the job's command-line
-  overrides). Numbers are copied from ``results.json`` unrounded. Jobs without
+  ``test_repeat_ppl``, ``test_repeat_acc``, ``test_fresh_ppl``, ``test_fresh_acc`` and where the
+  copied source lay (``test_repeat_source_in_memory``, ``..._in_cache``, ``..._retrieved``, those
+  that a job measured), on MQAR (a test evaluation with ``answers``) the answers' accuracy,
+  perplexity and chance accuracy (``test_answers_acc``, ``test_answers_ppl``,
+  ``test_answers_chance_acc``) and the fractions of the answers whose stored pair lay in the
+  memory, in the cache, in the retrieved slots of the top retrieving layer and of any retrieving
+  layer (``test_pair_in_memory``, ``test_pair_in_cache``, ``test_pair_retrieved``,
+  ``test_pair_retrieved_any_layer``, those that a job measured), then ``tokens_per_s``,
+  ``train_time_s``, ``note`` and ``overrides`` (the job's command-line overrides). Numbers are copied from ``results.json`` unrounded. Jobs without
   ``results.json`` (failed, running, stopped, unreadable) keep their row, with the status and
   a note: the error message, or the step and time reached.
 - ``cache_extension.csv``: one row per ``crtn-eval`` job (a directory with ``eval.json``),
   sorted by checkpoint then ``n_slot``: checkpoint, step, n_slot, top_k, tgt_len, mem_len,
   ``range_tokens`` (mem_len + n_slot * tgt_len, the crtn dependency range) and the metric of
-  each evaluated split: the eval-time cache extension of docs/method.md §5.
+  each evaluated split: the eval-time cache extension of docs/method.md §5. From the final
+  (test) evaluation: ``split`` (which one) and the recall and MQAR columns of ``report.csv``
+  without ``test_``; ``alpha_mass_mean`` and ``mean_distance_tokens`` (``eval.json``'s
+  ``retrieval``: the top retrieving layer's) and, where a job's retrieval lists each retrieving
+  layer (``retrieval.layers``, selection inside attention), the same per layer as
+  ``alpha_mass_mean_r<i>`` and ``mean_distance_tokens_r<i>``: layer i of n, bottom first (the
+  distance plot's ``layer i of n``; ``_r<n>`` repeats the top-level value), as many as the job
+  with the most layers, empty for a job with fewer.
 - ``search.csv``: the best of each search: training jobs whose overrides differ only in
   ``optim.lr`` form one search; per search, the job with the lowest validation loss, its
   learning rate and metrics, and the validation metric of every rate tried.

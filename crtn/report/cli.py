@@ -223,7 +223,12 @@ def _markdown(jobs: list[Job], sections: list, title: str, pngs: list[str]) -> s
                 "## Evaluation runs: eval-time cache extension (`cache_extension.csv`)",
                 "",
                 "One checkpoint evaluated with different eval-time settings; range = mem_len + n_slot * tgt_len "
-                "tokens (docs/method.md §5).",
+                "tokens (docs/method.md §5)."
+                + (
+                    " `<key>_r<i>`: retrieving layer i's, bottom first (without `_r<i>`: the top layer's)."
+                    if any(c.endswith("_r1") for c in cols)
+                    else ""
+                ),
                 "",
             ]
         lines.append(markdown_table(cols, rows, varying))

@@ -25,63 +25,67 @@ SOURCE_COLS = [
     "repeat_source_retrieved_any_layer",
     "repeat_copy_retrieved_any_layer",
 ]
+#: MQAR's answers (``answers`` of :meth:`crtn.data.mqar.AnswerSums.metrics`): their accuracy,
+#: perplexity and the accuracy of a uniform guess among the values
+ANSWER_COLS = ["answers_acc", "answers_ppl", "answers_chance_acc"]
+#: where an MQAR answer's stored pair lay (fractions of the answers, keys of ``answers``, when
+#: evaluate() measured it; ``pair_retrieved_any_layer`` with selection inside attention)
+PAIR_COLS = ["pair_in_memory", "pair_in_cache", "pair_retrieved", "pair_retrieved_any_layer"]
 #: what crtn-eval says of retrieval on any corpus: mean alpha mass per token, mean distance
+#: (the top retrieving layer's; ``<key>_r<i>`` columns give retrieving layer i's, bottom first)
 RETRIEVAL_COLS = ["alpha_mass_mean", "mean_distance_tokens"]
 TEXT_COLS = ("job", "status", "model", "data", "query", "summary", "note", "overrides", "checkpoint", "split")
 TEXT_COLS += ("configuration", "test_by_seed", "metric")
 
 
 def train_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
-    """Columns and rows of ``report.csv`` (training jobs), values as in the job files."""
+    """Columns and rows of ``report.csv`` (training jobs), values as in the job files; the test
+    split's :func:`evaluation_cols` prefixed ``test_``."""
     jobs = [j for j in jobs if j.kind == "train"]
     metrics = metrics_of(jobs)
     synthetic = any(_data_name(j) == "synthetic" for j in jobs)
+    extra = evaluation_cols([(j.results or {}).get("test") for j in jobs], synthetic)
     cols = list(TRAIN_HEAD)
     cols += [f"{s}_{m}" for m in metrics for s in ("valid", "test")]
-    if synthetic:
-        cols += [
-            f"test_{c}" for c in RECALL_COLS + _source_cols([(j.results or {}).get("test") for j in jobs])
-        ]
+    cols += [f"test_{c}" for c in extra]
     cols += ["tokens_per_s", "train_time_s", "note", "overrides"]
     rows = []
     for j in jobs:
         r = j.results or {}
-        crtn = uses_cache(r.get("model") or j.cfg("model.name"))
-        row: dict[str, Any] = {"job": j.name, "status": j.status}
-        if j.results is not None:
-            for k in ("model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len"):
-                row[k] = r.get(k)
-            row["params"], row["steps"] = r.get("params"), r.get("steps")
-        else:  # from the config: what the job was asked to do
-            row.update(
-                model=j.cfg("model.name"),
-                data=j.cfg("data.name"),
-                query=j.cfg("query.strategy") if crtn else None,
-                summary=j.cfg("summary.name") if crtn else None,
-                n_slot=j.cfg("cache.n_slot") if crtn else None,
-                top_k=j.cfg("cache.top_k") if crtn else None,
-                tgt_len=j.cfg("model.tgt_len"),
-                mem_len=j.cfg("model.mem_len"),
-                params=None,
-                steps=max(
-                    (rec["step"] for rec in j.metrics if isinstance(rec.get("step"), int)), default=None
-                ),
-            )
+        row: dict[str, Any] = {"job": j.name, "status": j.status, **_train_setting(j)}
         for split in ("valid", "test"):
             ev = r.get(split) if isinstance(r.get(split), dict) else {}
             for m in metrics:
                 row[f"{split}_{m}"] = ev.get(m)
-        if synthetic:
-            test = r.get("test") if isinstance(r.get("test"), dict) else {}
-            for c in RECALL_COLS + SOURCE_COLS:
-                kind, key = c.split("_", 1)
-                row[f"test_{c}"] = (test.get(kind) or {}).get(key)
+        for c, place in extra.items():
+            row[f"test_{c}"] = _at(r.get("test"), place)
         row["tokens_per_s"] = r.get("tokens_per_s")
         row["train_time_s"] = r.get("train_time_s")
         row["note"] = j.note
         row["overrides"] = " ".join(j.overrides)
         rows.append({c: row.get(c) for c in cols})
     return cols, rows
+
+
+def _train_setting(j: Job) -> dict[str, Any]:
+    """A training job's TRAIN_HEAD settings: from ``results.json``, else from its config (what
+    the job was asked to do; the steps reached from ``metrics.jsonl``)."""
+    if j.results is not None:
+        keys = ("model", "data", "query", "summary", "n_slot", "top_k", "tgt_len", "mem_len")
+        return {k: j.results.get(k) for k in (*keys, "params", "steps")}
+    crtn = uses_cache(j.cfg("model.name"))
+    return dict(
+        model=j.cfg("model.name"),
+        data=j.cfg("data.name"),
+        query=j.cfg("query.strategy") if crtn else None,
+        summary=j.cfg("summary.name") if crtn else None,
+        n_slot=j.cfg("cache.n_slot") if crtn else None,
+        top_k=j.cfg("cache.top_k") if crtn else None,
+        tgt_len=j.cfg("model.tgt_len"),
+        mem_len=j.cfg("model.mem_len"),
+        params=None,
+        steps=max((rec["step"] for rec in j.metrics if isinstance(rec.get("step"), int)), default=None),
+    )
 
 
 #: the key a sweep searches over, whose best value per configuration "best of each search" reports
@@ -178,7 +182,10 @@ def seed_table(jobs: list[Job], key: str = SEED_KEY) -> tuple[list[str], list[di
 
 
 def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
-    """Columns and rows of ``cache_extension.csv`` (eval jobs), sorted by checkpoint then n_slot."""
+    """Columns and rows of ``cache_extension.csv`` (eval jobs), sorted by checkpoint then n_slot;
+    from each job's final evaluation (:meth:`Job.final`) its :func:`evaluation_cols` after the
+    split they come from, and the RETRIEVAL_COLS of ``retrieval`` and of each retrieving layer
+    (:func:`_layer_cols`) that at least one job has."""
     jobs = [j for j in jobs if j.kind == "eval"]
     metrics = metrics_of(jobs)
     splits = [s for s in ("valid", "test") if any(isinstance((j.eval or {}).get(s), dict) for j in jobs)]
@@ -190,15 +197,12 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
             if isinstance(v, dict) and "loss" in v and k not in splits
         }
     )
-    synthetic = any(isinstance((j.final() or {}).get("repeat"), dict) for j in jobs)
+    finals = [j.final() for j in jobs]
+    extra = evaluation_cols(finals, any(isinstance(_at(f, ("repeat",)), dict) for f in finals))
     cols = ["job", "status", "checkpoint", "step", "n_slot", "top_k", "tgt_len", "mem_len", "range_tokens"]
     cols += [f"{s}_{m}" for s in splits for m in metrics]
-    if synthetic:
-        cols += ["split"] + RECALL_COLS + _source_cols([j.final() for j in jobs])
-    retrieval = [
-        c for c in RETRIEVAL_COLS if any(c in ((j.final() or {}).get("retrieval") or {}) for j in jobs)
-    ]
-    cols += retrieval + ["tokens_per_s", "note", "overrides"]
+    retrieval = _present(finals, {c: ("retrieval", c) for c in RETRIEVAL_COLS} | _layer_cols(finals))
+    cols += (["split", *extra] if extra else []) + [*retrieval, "tokens_per_s", "note", "overrides"]
     rows = []
     for j in sorted(jobs, key=eval_sort_key):
         e = j.eval or {}
@@ -214,13 +218,9 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
             ev = e.get(s) if isinstance(e.get(s), dict) else {}
             for m in metrics:
                 row[f"{s}_{m}"] = ev.get(m)
-        if synthetic:
-            row["split"] = j.final_split()
-            for c in RECALL_COLS + SOURCE_COLS:
-                kind, key = c.split("_", 1)
-                row[c] = (fin.get(kind) or {}).get(key)
-        for c in retrieval:
-            row[c] = (fin.get("retrieval") or {}).get(c)
+        row["split"] = j.final_split()
+        for c, place in (extra | retrieval).items():
+            row[c] = _at(fin, place)
         row["tokens_per_s"] = fin.get("tokens_per_s")
         row["note"] = j.note
         row["overrides"] = " ".join(j.overrides)
@@ -228,10 +228,56 @@ def eval_table(jobs: list[Job]) -> tuple[list[str], list[dict[str, Any]]]:
     return cols, rows
 
 
-def _source_cols(evals: list[Any]) -> list[str]:
-    """The SOURCE_COLS that at least one of these evaluation dicts has."""
-    reps = [e.get("repeat") for e in evals if isinstance(e, dict) and isinstance(e.get("repeat"), dict)]
-    return [c for c in SOURCE_COLS if any(c.split("_", 1)[1] in r for r in reps)]
+def evaluation_cols(evals: list[Any], synthetic: bool) -> dict[str, tuple]:
+    """The columns both tables read from a job's evaluation dict (``evals``: one per job, None
+    where a job has none), each with its place in the dict (:func:`_at`): where ``synthetic``
+    (the passage-recall corpus) RECALL_COLS and the SOURCE_COLS at least one evaluation has
+    (``<block>_<key>``: ``key`` of its ``block`` dict, ``repeat`` or ``fresh``); where an
+    evaluation has MQAR's ``answers`` dict, ANSWER_COLS and the PAIR_COLS at least one has."""
+    cols: dict[str, tuple] = {}
+    if synthetic:
+        cols |= _named(RECALL_COLS) | _present(evals, _named(SOURCE_COLS))
+    if any(isinstance(_at(e, ("answers",)), dict) for e in evals):
+        cols |= _named(ANSWER_COLS) | _present(evals, {c: ("answers", c) for c in PAIR_COLS})
+    return cols
+
+
+def _named(cols: list[str]) -> dict[str, tuple]:
+    """Each ``<block>_<key>`` column's place: ``(block, key)``."""
+    return {c: tuple(c.split("_", 1)) for c in cols}
+
+
+def _layer_cols(evals: list[Any]) -> dict[str, tuple]:
+    """``<key>_r<i>``, for each RETRIEVAL_COLS key and i = 1..n: ``key`` of retrieving layer i's
+    summary in ``retrieval.layers`` (bottom first, as the distance plot's ``layer i of n``); n is
+    the most layers any of ``evals`` lists (none without ``layers``: one retrieving layer)."""
+    layers = [_at(e, ("retrieval", "layers")) for e in evals]
+    n = max((len(x) for x in layers if isinstance(x, list)), default=0)
+    return {f"{c}_r{i}": ("retrieval", "layers", i - 1, c) for c in RETRIEVAL_COLS for i in range(1, n + 1)}
+
+
+_ABSENT = object()
+
+
+def _at(ev: Any, place: tuple, default: Any = None) -> Any:
+    """The value at ``place`` (keys of dicts, indices of lists) in the evaluation dict ``ev``;
+    ``default`` where it has none."""
+    for step in place:
+        if isinstance(ev, dict) and step in ev:
+            ev = ev[step]
+        elif isinstance(ev, list) and isinstance(step, int) and step < len(ev):
+            ev = ev[step]
+        else:
+            return default
+    return ev
+
+
+def _present(evals: list[Any], cols: dict[str, tuple]) -> dict[str, tuple]:
+    """The columns of ``cols`` whose place at least one of these evaluation dicts has (even if
+    its value there is None)."""
+    return {
+        c: place for c, place in cols.items() if any(_at(e, place, _ABSENT) is not _ABSENT for e in evals)
+    }
 
 
 def eval_sort_key(j: Job) -> tuple:
@@ -301,7 +347,7 @@ def _fmt_cell(col: str, v: Any) -> str:
         return ""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
-    if col.endswith("_acc") or "_source_" in col:
+    if col.endswith("_acc") or "_source_" in col or "pair_" in col:
         return f"{v:.3f}"
     if col.endswith("_bpc"):
         return f"{v:.4f}"
