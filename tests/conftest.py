@@ -62,3 +62,14 @@ def _shared_data_untouched():
     if before is not None:
         changed = sorted({name for name, *_ in before ^ _listing(path)})
         assert not changed, f"the tests wrote into {path}: {changed[:5]}"
+
+
+@pytest.fixture
+def bf16_units(monkeypatch):
+    """This machine's CPU as one with bfloat16 matrix units (AVX512-BF16), whatever it has: a
+    test of the bfloat16 product paths takes them as such a CPU does
+    (:func:`crtn.model.hardware.multiplies_natively`); ``test_hardware.py`` checks a CPU
+    without them."""
+    from crtn.model import hardware
+
+    monkeypatch.setattr(hardware, "cpu_features", lambda: {"avx512_bf16": True})

@@ -17,7 +17,7 @@ from crtn.bench.compare import compose_bench, compose_rows
 from crtn.bench.report import check_targets
 from crtn.config import spec_dict
 from crtn.errors import ConfigError
-from crtn.model import resolve_spec
+from crtn.model import hardware, resolve_spec
 from tests.helpers import compose_train, load_tool, run_main
 
 SECTIONS = ["config", "table", "strategies", "range", "scaling", "retrieval"]
@@ -76,6 +76,10 @@ def smoke(tmp_path_factory) -> tuple[dict, str]:
 def test_smoke_runs_every_section(smoke):
     res, md = smoke
     assert all(section in res for section in SECTIONS)
+    # the CPU, and whether it multiplies bfloat16 natively (which sets the products' dtype)
+    units = hardware.multiplies_natively(torch.bfloat16, torch.device("cpu"))
+    assert res["cpu_bf16_units"] is units and res["cpu"] == hardware.cpu_features().get("cpu_name")
+    assert f"{'with' if units else 'without'} bfloat16 units, {res['threads']} threads" in md
     for title in (
         "## config:",
         "## table:",

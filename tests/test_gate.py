@@ -152,7 +152,7 @@ def test_lead_queries_come_from_the_memory():
 
 @pytest.mark.parametrize("product", [None, "float32"], ids=["bfloat16_products", "queries_dtype_products"])
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "no_gradient"])
-def test_best_row_gate_multiplies_bfloat16_rows_in_its_product_dtype(monkeypatch, grad, product):
+def test_best_row_gate_multiplies_bfloat16_rows_in_its_product_dtype(monkeypatch, grad, product, bf16_units):
     """With the cache in bfloat16 (``cache.dtype``) the best-row gate's match multiplies in the
     retrieved attention's product dtype (``cache.product_dtype``; by default the cache's
     bfloat16; a wider one keeps the queries' dtype), with a gradient and without: evaluation selects as training does, and its scores
@@ -160,7 +160,9 @@ def test_best_row_gate_multiplies_bfloat16_rows_in_its_product_dtype(monkeypatch
     cache's own bfloat16 rows (cast chunk by chunk where the products are float32, and in
     training kept for the backward pass as stored) instead of a copy of every slot's rows, and
     scores them exactly as it scores the same rows cast up first. ``bf16_products`` stays False:
-    the no-gradient path of bfloat16 rows (``rowmatch.py``, row by row) rounds otherwise."""
+    the no-gradient path of bfloat16 rows (``rowmatch.py``, row by row) rounds otherwise. On a
+    CPU with bfloat16 units (``bf16_units``; without them the default is float32:
+    ``test_hardware.py``)."""
     options = {
         "summary.name": "token_max",
         "cache.dtype": "bfloat16",

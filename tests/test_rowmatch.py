@@ -16,6 +16,9 @@ from tests.helpers import load_tool
 from tests.reference import naive_ngram_row_scores
 
 CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 1)]  # (ngram w, shift s)
+#: the bfloat16 paths as a CPU with bfloat16 units takes them, whatever this machine's CPU
+#: (conftest.py; a CPU without them: test_hardware.py)
+pytestmark = pytest.mark.usefixtures("bf16_units")
 
 
 def _inputs(

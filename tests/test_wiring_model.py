@@ -16,7 +16,7 @@ import crtn.model.flex as flex_module
 import crtn.model.grouped as grouped
 import crtn.model.retrieved as retrieved
 import crtn.model.retriever as retriever_module
-from crtn.model import CRTN, TransformerLM, resolve_spec, with_spec
+from crtn.model import CRTN, TransformerLM, hardware, resolve_spec, with_spec
 from crtn.model.dropout import LockedDropout
 from crtn.model.faiss_index import FaissRows
 from crtn.model.summary import Mean
@@ -307,8 +307,9 @@ def check_dtype(ctx: Ctx) -> None:
 
 def check_product_dtype(ctx: Ctx) -> None:
     """The retrieved rows, stored in bfloat16 (the default), are multiplied in float32 with the
-    option, in bfloat16 (as stored) without it; the folding's products with W_{k,E} and W_v run in
-    a 16-bit product dtype too (bfloat16 without the option), in the model's float32 with it."""
+    option; without it in bfloat16 (as stored) on a CPU with bfloat16 units, in float32 on one
+    without (``crtn.model.hardware``; each CPU reported as such here). The folding's products
+    with W_{k,E} and W_v run in the 16-bit product dtype too, in the model's float32 otherwise."""
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     folds: list[torch.dtype] = []
     real, real_fold = grouped._TileProduct.forward, retrieved.weights_dtype
@@ -321,18 +322,23 @@ def check_product_dtype(ctx: Ctx) -> None:
         folds.append(real_fold(dtype, x))
         return folds[-1]
 
+    def run(spec, units: dict) -> tuple[set, set]:
+        seen.clear()
+        folds.clear()
+        with mock.patch.object(hardware, "cpu_features", lambda: units):
+            last_state(ctx, 6, spec=spec, train=True)
+        return set(seen), set(folds)
+
     with (
         mock.patch.object(grouped._TileProduct, "forward", staticmethod(spy)),
         mock.patch.object(retrieved, "weights_dtype", spy_fold),
     ):
-        last_state(ctx, 6, train=True)
-        on, folds_on = set(seen), set(folds)
-        seen.clear()
-        folds.clear()
-        last_state(ctx, 6, spec=ctx.off, train=True)
-    assert on == {(torch.bfloat16, torch.float32)}
-    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
-    assert folds_on == {torch.float32} and set(folds) == {torch.bfloat16}
+        for units in ({"avx512_bf16": True}, {}):  # the option holds on either CPU
+            assert run(ctx.on, units) == ({(torch.bfloat16, torch.float32)}, {torch.float32})
+        as_stored = run(ctx.off, {"amx_bf16": True})
+        without_units = run(ctx.off, {"avx2": True})
+    assert as_stored == ({(torch.bfloat16, torch.bfloat16)}, {torch.bfloat16})
+    assert without_units == ({(torch.bfloat16, torch.float32)}, {torch.float32})
 
 
 # ------------------------------------------------------------------ query.*, summary.*

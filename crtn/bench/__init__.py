@@ -77,7 +77,7 @@ from crtn.bench.report import check_targets, markdown
 from crtn.bench.sections import bench_range, bench_retrieval, bench_scaling, bench_strategies
 from crtn.config import STRATEGIES
 from crtn.errors import ConfigError, check_choice
-from crtn.model import resolve_spec
+from crtn.model import hardware, resolve_spec
 from crtn.utils import atomic_write_text
 
 __all__ = [
@@ -158,6 +158,10 @@ def run(b: Bench) -> dict[str, Any]:
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "host": platform.node(),
         "threads": torch.get_num_threads(),
+        # whether this CPU multiplies bfloat16 natively, which decides the products' dtype of a
+        # bfloat16 cache (crtn/model/hardware.py) and so the cost table's CPU ratios
+        "cpu": hardware.cpu_features().get("cpu_name"),
+        "cpu_bf16_units": hardware.multiplies_natively(torch.bfloat16, torch.device("cpu")),
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "settings": {k: v for k, v in asdict(b.s).items() if k != "rows"},

@@ -142,7 +142,16 @@ def _cost_table(lines: list[str], t: dict[str, Any]) -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     """The benchmark's tables as Markdown (``bench.md``)."""
-    lines = [f"# crtn-bench ({res['device']}, {res['time']})", "", f"settings: `{res['settings']}`", ""]
+    units = "with" if res.get("cpu_bf16_units") else "without"
+    cpu = f"CPU {res.get('cpu')}, {units} bfloat16 units, {res.get('threads')} threads"
+    lines = [
+        f"# crtn-bench ({res['device']}, {res['time']})",
+        "",
+        cpu,
+        "",
+        f"settings: `{res['settings']}`",
+        "",
+    ]
     if "config" in res:
         _config(lines, res["config"])
     if "table" in res:

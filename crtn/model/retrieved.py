@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from crtn.model import hardware
 from crtn.model.grouped import SlotGroups, TokenRows, grouped_product, pairs_of
 
 
@@ -228,9 +229,12 @@ def _folded_mix(
 
 def products_dtype(product_dtype: torch.dtype | None, values: Tensor) -> torch.dtype:
     """The dtype of the products with the cached rows ``values`` [..., Ls, d]: ``product_dtype``
-    (``cache.product_dtype``), or where it is None the dtype the rows are stored in
-    (docs/method.md §3, "The products' dtype")."""
-    return product_dtype or values.dtype
+    (``cache.product_dtype``), or where it is None the dtype the rows are stored in where their
+    device multiplies it natively, else float32 (a CPU without bfloat16 units:
+    :func:`crtn.model.hardware.multiplies_natively`; docs/method.md §3, "The products' dtype")."""
+    if product_dtype is not None:
+        return product_dtype
+    return values.dtype if hardware.multiplies_natively(values.dtype, values.device) else torch.float32
 
 
 def weights_dtype(dtype: torch.dtype, x: Tensor) -> torch.dtype:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from crtn.model import hardware
 from crtn.model.bestrow import chunk_maxima
 
 #: elements of one chunk's score block [G, w-1+L, slots, w-1+s+Ls] in :func:`ngram_row_scores` (16 MiB
@@ -108,7 +109,9 @@ def ngram_row_scores(
             instead of writing a normalised copy of every row (docs/method.md §3, "A selection in
             bfloat16").
         bf16_products: where no gradient is needed, multiply rows stored in bfloat16 as stored
-            (:func:`_row_max_bf16`); False: in the query's dtype, the rows cast chunk by chunk, as
+            (:func:`_row_max_bf16`) on a device that multiplies bfloat16 natively
+            (:func:`crtn.model.hardware.multiplies_natively`; elsewhere, as with False);
+            False: in the query's dtype, the rows cast chunk by chunk, as
             with a gradient (a caller whose training scores multiply in the query's dtype and
             whose evaluation must select as it trained).
         best_row: return the row that attains each max too (``cache.pos=match``, docs/method.md §3,
@@ -136,7 +139,8 @@ def ngram_row_scores(
     lead = _checked_lead(lead, n_lead, rows.shape[2])
     inputs = [query, rows] + ([lead] if isinstance(lead, Tensor) else [])
     no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))  # alpha of 1
-    if no_grad and bf16_products and rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16:
+    bf16 = rows.dtype == torch.bfloat16 and query.dtype != torch.bfloat16
+    if no_grad and bf16_products and bf16 and hardware.multiplies_natively(rows.dtype, rows.device):
         return _row_max_bf16(
             query, rows, lead, w=ngram, n_lead=n_lead, cosine=cosine, best_row=best_row, top_k=top_k
         )

@@ -102,9 +102,10 @@ class CacheSpec:
     dtype: str | None = "bfloat16"
     # dtype of the retrieved attention's products with the stored rows (crtn/model/grouped.py),
     # and where 16-bit of the folding's with W_{k,E} and W_v (crtn/model/retrieved.py):
-    # None: the storage dtype, so bfloat16 rows are multiplied as stored, without a cast (docs/method.md
-    # §3, "Efficient main pass"; cost and accuracy in docs/results.md, "Products in bfloat16") |
-    # float32 | float16 | bfloat16 | float64
+    # None: the storage dtype where the device multiplies it natively, so bfloat16 rows are
+    # multiplied as stored, without a cast, and float32 on a CPU without bfloat16 units
+    # (crtn/model/hardware.py; docs/method.md §3, "Efficient main pass"; cost and accuracy in
+    # docs/results.md, "Products in bfloat16") | float32 | float16 | bfloat16 | float64
     product_dtype: str | None = None
 
     @property
