@@ -52,6 +52,22 @@ def test_the_features_are_torch_s_own():
     )
 
 
+def test_a_torch_that_cannot_report_its_cpu_multiplies_in_float32(monkeypatch):
+    """Where this torch build has no CPU report, or its report fails, no 16-bit dtype is
+    native on the CPU."""
+    for failure in (AttributeError("no _get_cpu_capability"), RuntimeError("cpuinfo failed")):
+
+        def report(failure=failure):
+            raise failure
+
+        monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", report)
+        hardware.cpu_features.cache_clear()
+        assert hardware.cpu_features() == {}
+        assert not hardware.multiplies_natively(torch.bfloat16, CPU)
+    monkeypatch.undo()
+    hardware.cpu_features.cache_clear()
+
+
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
 def test_products_default_to_the_stored_dtype_only_where_it_is_native(monkeypatch, stored):
     """``cache.product_dtype`` None: the rows' dtype on a CPU with its units, float32 on one

@@ -25,8 +25,12 @@ CPU_UNITS = {
 
 @functools.cache
 def cpu_features() -> dict[str, object]:
-    """The features torch detected on this machine's CPU (cached: read once per process)."""
-    return dict(torch._C._cpu._get_cpu_capability())
+    """The features torch detected on this machine's CPU (cached: read once per process); empty
+    where this torch build cannot report them (its products then run in float32 on the CPU)."""
+    try:
+        return dict(torch._C._cpu._get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return {}
 
 
 def multiplies_natively(dtype: torch.dtype, device: torch.device) -> bool:
