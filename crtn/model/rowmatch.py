@@ -520,16 +520,18 @@ class _NgramRowMax(torch.autograd.Function):
         if w > 1:  # the max of the sums, then 1/w: the max of the scaled sums (rounding is monotone)
             best *= 1.0 / w
         ctx.w, ctx.step, ctx.has_lead, ctx.dtype, ctx.split = w, step, lead is not None, dtype, split
-        tied = torch.stack(tied) if split else where.new_zeros(0, dtype=torch.bool)  # unread
-        saved = [query, rows, where, tied] + ([] if lead is None else [lead])
+        saved = (
+            [query, rows, where] + ([] if lead is None else [lead]) + ([torch.stack(tied)] if split else [])
+        )
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(where)
         return best, where
 
     @staticmethod
     def backward(ctx, grad, _grad_where=None):  # type: ignore[override]
-        query, rows, where, tied, *rest = ctx.saved_tensors
+        query, rows, where, *rest = ctx.saved_tensors
         lead = rest[0] if ctx.has_lead else None
+        tied = rest[-1] if ctx.split else None  # per chunk: whether several rows attain a max
         w, step, pd = ctx.w, ctx.step, ctx.dtype
         G, Lq, d = query.shape
         N, Ls = rows.shape[1], rows.shape[2]
