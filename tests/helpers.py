@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -57,11 +58,28 @@ def tiny_cfg(**overrides: Any):
     return train_config({**TINY, **TEST_DEFAULTS, **overrides})
 
 
+@functools.cache
+def _tiny_spec(items: tuple[tuple[str, Any], ...]):
+    """The resolved (frozen) spec of ``tiny_cfg(**dict(items))``, once per process: composing the
+    schema node costs tens of milliseconds, and hundreds of tests build the same few models."""
+    return resolve_spec(tiny_cfg(**dict(items)))
+
+
+def tiny_spec(**overrides: Any):
+    """``resolve_spec(tiny_cfg(**overrides))``; the same frozen object for the same overrides."""
+    items = tuple(overrides.items())
+    try:
+        hash(items)
+    except TypeError:  # a list value: resolved each time
+        return resolve_spec(tiny_cfg(**overrides))
+    return _tiny_spec(items)
+
+
 def tiny_model(n_token: int = 11, double: bool = True, **overrides: Any) -> TransformerLM:
     """A tiny model in eval mode (float64 by default), with non-trivial LayerNorm and bias values."""
     import torch
 
-    model = build_model(resolve_spec(tiny_cfg(**overrides)), n_token)
+    model = build_model(tiny_spec(**overrides), n_token)
     if double:
         model = model.double()
     with torch.no_grad():
@@ -112,13 +130,20 @@ def cli(
     )
 
 
+@functools.cache
+def register_configs_once() -> None:
+    """:func:`crtn.app_config.register_configs` once per process: it stores the same schema nodes
+    each time (it is idempotent) and takes a sixth of a second."""
+    from crtn.app_config import register_configs
+
+    register_configs()
+
+
 def compose_train(overrides: list[str]):
     """``crtn-train``'s config as its command line composes it from ``overrides`` (no Hydra run)."""
     from hydra import compose, initialize_config_module
 
-    from crtn.app_config import register_configs
-
-    register_configs()
+    register_configs_once()
     with initialize_config_module("crtn.conf", version_base="1.3"):
         return compose("train", overrides=overrides)
 

@@ -17,14 +17,14 @@ from crtn.data import load_corpus
 from crtn.errors import ConfigError
 from crtn.model import resolve_spec, valid_pairs, valid_summaries
 from crtn.model.crtn import dependency_range
-from tests.helpers import TEST_DEFAULTS, TINY, tiny_cfg
+from tests.helpers import TEST_DEFAULTS, TINY, register_configs_once, tiny_cfg
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def composed(config_name: str, overrides: list[str] | None = None):
     """The config an app composes from ``conf/`` (as on its command line), without the hydra node."""
-    register_configs()
+    register_configs_once()
     with initialize_config_module(config_module="crtn.conf", version_base="1.3"):
         return compose(config_name, overrides=overrides or [])
 
