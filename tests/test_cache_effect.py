@@ -12,7 +12,8 @@ import pytest
 
 from crtn.analysis.distance import BUCKETS
 from crtn.report import write_report
-from tests.helpers import TINY_RUN, cli
+from crtn.train import train_in
+from tests.helpers import TINY_RUN, cli, compose_train
 from tests.test_report import assert_png
 
 #: (tokens, loss) of the first four buckets; the other three are empty
@@ -93,8 +94,7 @@ def test_the_contributions_of_real_evaluations_add_up_to_their_loss_change(tmp_p
     test split, as the module docstring gives it: per analysis the contributions add up to the
     difference of the two evaluations' mean losses, read from their eval.json files."""
     run = tmp_path / "run"
-    args = [*TINY_RUN, "train.max_step=4", "train.eval_interval=4", f"hydra.run.dir={run}"]
-    assert cli("crtn.train", args, tmp_path).returncode == 0
+    train_in(compose_train([*TINY_RUN, "train.max_step=4", "train.eval_interval=4"]), run)  # in this process
     sweep = tmp_path / "ext"
     ev = [
         "-m",

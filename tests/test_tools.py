@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import TINY_RUN, cli, load_tool
+from crtn.train import train_in
+from tests.helpers import TINY_RUN, compose_train, load_tool
 
 
 def _load_tool():
@@ -18,19 +19,14 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     """Its own hit test (copy source inside a selected slot) and argmax accuracy, computed in
     another way, give evaluate()'s repeat token count, accuracy and source_retrieved exactly."""
     run = tmp_path / "run"
-    p = cli(
-        "crtn.train",
-        [
-            *TINY_RUN,
-            "data.synthetic.repeat_skip=1",
-            "cache.n_slot=12",  # 96 tokens: a copy's source and the source's own source (gaps 24-40)
-            "train.max_step=40",
-            "train.eval_interval=40",
-            f"hydra.run.dir={run}",
-        ],
-        tmp_path,
-    )
-    assert p.returncode == 0, p.stderr
+    overrides = [
+        *TINY_RUN,
+        "data.synthetic.repeat_skip=1",
+        "cache.n_slot=12",  # 96 tokens: a copy's source and the source's own source (gaps 24-40)
+        "train.max_step=40",
+        "train.eval_interval=40",
+    ]
+    train_in(compose_train(overrides), run)  # crtn-train's run, in this process
     valid = json.loads((run / "results.json").read_text())["valid"]["repeat"]
     t = _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
     keys = ("copy position", "distance // 32", "j // 8", "source row", "offset j - source row")
@@ -110,7 +106,6 @@ def test_shifted_columns_are_the_concat_distances_moved(c, m, shift):
 def test_recall_diagnosis_rejects_txl(tmp_path):
     run = tmp_path / "run"
     txl = [a for a in TINY_RUN if not a.startswith("cache.")]  # txl has no cache: no cache.* settings
-    p = cli("crtn.train", [*txl, "model=txl", "train.max_step=2", f"hydra.run.dir={run}"], tmp_path)
-    assert p.returncode == 0, p.stderr
+    train_in(compose_train([*txl, "model=txl", "train.max_step=2"]), run)  # crtn-train's run, in this process
     with pytest.raises(SystemExit, match="needs a crtn model"):
         _load_tool().diagnose(str(run / "checkpoints/best.pt"), "valid", 4)
