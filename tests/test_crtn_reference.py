@@ -10,6 +10,7 @@ positions and alpha) must agree, in float64.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,20 +27,46 @@ ATOL = 1e-9  # docs/method.md §3 asks for 1e-5; float64 agreement is far tighte
 GRAD_ATOL = 1e-8  # parameter gradients, float64
 
 
+def naive_run(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple[list, list[torch.Tensor]]:
+    """The naive reference of ``model``'s weights and config over ``tokens`` [B, steps * L + 1], each
+    stream on its own: per step and stream (NLL, selections), and with ``grad`` the parameter
+    gradients of the summed NLL (each step back-propagated before the next, as in training)."""
+    L = model.tgt_len
+    naive = NaiveGate if model.query.in_attention else NaiveCRTN  # selection inside attention
+    refs = [naive(model) for _ in range(tokens.shape[0])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_ref = [torch.zeros_like(p) for p in params]
+    per_step = []
+    for t in range(steps):
+        x, y = tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
+        outs = []
+        for b, ref in enumerate(refs):
+            with torch.set_grad_enabled(grad):
+                nll_ref, sel_ref = ref.step(x[b], y[b], t * L)
+                if grad:
+                    _accumulate(g_ref, nll_ref.sum(), params)
+            outs.append((nll_ref.detach(), sel_ref))
+        per_step.append(outs)
+    return per_step, g_ref
+
+
 def run_both(
-    steps: int = STEPS, grad: bool = False, atol: float = ATOL, grad_atol: float = GRAD_ATOL, **overrides
+    steps: int = STEPS,
+    grad: bool = False,
+    atol: float = ATOL,
+    grad_atol: float = GRAD_ATOL,
+    naive: Callable = naive_run,
+    **overrides,
 ):
-    """Run the model and the reference side by side; compare NLL and selections per step (to
-    ``atol``), and with ``grad`` the parameter gradients of the summed NLL (each step
-    back-propagated before the next, as in training; to ``grad_atol``)."""
+    """Run the model and the reference (``naive``: :func:`naive_run`) side by side; compare NLL and
+    selections per step (to ``atol``), and with ``grad`` the parameter gradients of the summed NLL
+    (each step back-propagated before the next, as in training; to ``grad_atol``)."""
     model = tiny_model(V, **{"model.name": "crtn", **overrides})
     L = model.tgt_len
     tokens = torch.randint(0, V, (2, steps * L + 1))
-    naive = NaiveGate if model.query.in_attention else NaiveCRTN  # selection inside attention
-    refs = [naive(model) for _ in range(2)]
+    reference, g_ref = naive(model, tokens, steps, grad)
     params = [p for p in model.parameters() if p.requires_grad]
     g_model = [torch.zeros_like(p) for p in params]
-    g_ref = [torch.zeros_like(p) for p in params]
     state = None
     n_compared = 0
     for t in range(steps):
@@ -49,11 +76,7 @@ def run_both(
             if grad:
                 _accumulate(g_model, out.nll.sum(), params)
         state = out.state
-        for b, ref in enumerate(refs):
-            with torch.set_grad_enabled(grad):
-                nll_ref, sel_ref = ref.step(x[b], y[b], t * L)
-                if grad:
-                    _accumulate(g_ref, nll_ref.sum(), params)
+        for b, (nll_ref, sel_ref) in enumerate(reference[t]):
             torch.testing.assert_close(out.nll[b], nll_ref, rtol=0, atol=atol)
             if out.selection is None:
                 assert all(not s for s in sel_ref)
