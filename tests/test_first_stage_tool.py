@@ -65,23 +65,50 @@ def test_counts_on_hand_computed_slots(monkeypatch):
     assert "| 1 | 0.0000 (2.000) | 1.0000 (0.000) |" in tally.table("pca")
 
 
+def test_a_fitted_first_stage_finds_the_direction_that_ranks(monkeypatch):
+    """Rows vary most along two directions that do not decide the match (std 5) and little along
+    the one that does (std 1), which the queries point along: PCA's one-dim first stage ranks by
+    noise (about 1/n of the best slots among its top 1), the fitted one learns the deciding
+    direction and keeps most of them, on windows it was not fitted on."""
+    tool = load_tool("first_stage_recall", monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    G, L, n, Ls = 96, 4, 6, 3
+    R = torch.randn(G, n, Ls, 3, generator=g) * torch.tensor([5.0, 5.0, 1.0])
+    Q = torch.randn(G, L, 3, generator=g) * torch.tensor([0.01, 0.01, 1.0]) + torch.tensor([0.0, 0.0, 2.0])
+    fit = tool.Tally(dims=(1,), tops=(1,), bases=("pca", "fitted"))
+    for at in range(0, 64, 8):  # eight row matches of eight streams (FIT_STREAMS)
+        fit.keep(Q[at : at + 8], R[at : at + 8])
+    fit.fit()
+    w_q, w_k = fit.fitted[1]
+    assert w_q.shape == w_k.shape == (3, 1) and not fit.kept
+    fit.add(Q[64:], R[64:])
+    assert fit.queries == 32 * L
+    assert fit.hits["fitted", 1, 1] / fit.queries > 0.8
+    assert fit.hits["pca", 1, 1] / fit.queries < 0.5
+    with pytest.raises(RuntimeError, match="not fitted"):
+        tool.Tally(dims=(2,), tops=(1,), bases=("fitted",)).add(Q, R)
+
+
 def test_a_run_over_a_checkpoint(tmp_path, monkeypatch):
     """Over a trained checkpoint: one row match per segment once the cache is full, every query
     counted, a basis of the windows' full dimension keeps every choice, a one-dim random sketch
-    does not, and the row match is restored afterwards."""
+    does not, a fitted one is fitted on the segments before the counted ones, and the row match
+    is restored afterwards."""
     import crtn.model.summary as summary
 
     tool = load_tool("first_stage_recall", monkeypatch)  # a dataclass: registered
     run = tmp_path / "run"
     train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
     D = 4 * 16  # summary.ngram 4 (the default) windows of d_model 16
-    tally = tool.Tally(dims=(1, D), tops=(1,), bases=("random", "pca"))
+    monkeypatch.setattr(tool, "FIT_STEPS", 20)
+    tally = tool.Tally(dims=(1, D), tops=(1,), bases=("random", "pca", "fitted"))
     match = summary.ngram_row_scores
     tool.measure(
-        str(run / "checkpoints/best.pt"), tally, n_slot=None, segments=5, split="valid", batch_size=4
+        str(run / "checkpoints/best.pt"), tally, n_slot=None, segments=(3, 5), split="valid", batch_size=4
     )
     assert summary.ngram_row_scores is match
-    assert tally.calls == 5 and tally.queries == 5 * 4 * 8  # segments x streams x tgt_len
+    assert tally.calls == 5 and tally.queries == 5 * 4 * 8  # counted segments x streams x tgt_len
+    assert set(tally.fitted) == {1, D} and not tally.kept
     assert tally.hits["pca", D, 1] == tally.queries
     assert tally.regret["pca", D, 1] == pytest.approx(0.0, abs=1e-3)
     assert tally.hits["random", 1, 1] < tally.queries
