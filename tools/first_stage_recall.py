@@ -9,7 +9,7 @@ scores slot i for query j as max_r (1/w) <Q_j, R_r>, where Q_j is the concatenat
 queries q_j, q_{j-1}, ... and R_r that of the w rows row_{r-s}, row_{r-s-1}, ... of the slot and
 its lead-in (:func:`window_vectors`). It reads all N Ls rows of d values for every query, which
 is why the step grows with N. A two-stage selection would rank the slots by a cheaper score
-first, max_r <P^T Q_j, P^T R_r> with a d' x ... projection P, then score the top c of them exactly
+first, max_r <P^T Q_j, P^T R_r> with a projection P [w d, d'], then score the top c of them exactly
 and select among those: it selects what the row match selects wherever the row match's best slot
 is among the first stage's c (a *hit*). Its first stage multiplies d'-dim window vectors,
 d' / d of the row match's products (no window sums), so it pays only where d' is well below d.
@@ -30,6 +30,11 @@ best; 1 where it chooses a slot no better than the mean). Bases (``--basis``):
   ``--fit-segments`` segments before the counted ones (up to :data:`FIT_STREAMS` streams each):
   a linear indexer trained towards the score it stands in for, as DeepSeek Sparse Attention's is
   trained towards its attention, here offline and measured on later text.
+
+A ``fitted`` first stage keeps the windows of its fitting segments in memory, 4 FIT_STREAMS N Ls
+w d bytes a segment (67 MB at N = 32, Ls 64, w d = 1,024); fitting d' = 32, 64 and 128 took
+minutes at N = 32 and about 45 minutes at N = 128 on one thread: give it fewer
+``--fit-segments`` there.
 
 Prints one table per basis (docs/results.md, "A first stage on projected rows").
 
