@@ -112,3 +112,10 @@ def test_a_run_over_a_checkpoint(tmp_path, monkeypatch):
     assert tally.hits["pca", D, 1] == tally.queries
     assert tally.regret["pca", D, 1] == pytest.approx(0.0, abs=1e-3)
     assert tally.hits["random", 1, 1] < tally.queries
+
+
+def test_an_unknown_first_stage_is_refused(monkeypatch):
+    """A basis name outside BASES is an error, not silently a random projection."""
+    tool = load_tool("first_stage_recall", monkeypatch)
+    with pytest.raises(ValueError, match="basis sketch: each must be one of random, pca, fitted"):
+        tool.Tally(dims=(1,), tops=(1,), bases=("sketch",))

@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+#: the first stages the tool measures (``--basis``)
+BASES = ("random", "pca", "fitted")
 #: the most row windows a ``pca`` basis is fitted on per call
 PCA_ROWS = 8192
 #: streams of each fitting segment whose windows a ``fitted`` first stage is fitted on
@@ -143,6 +145,12 @@ class Tally:
     calls: int = 0
 
     def __post_init__(self) -> None:
+        """Raises:
+        ValueError: a basis other than :data:`BASES`."""
+        if not set(self.bases) <= set(BASES):
+            raise ValueError(
+                f"first_stage_recall: basis {','.join(self.bases)}: each must be one of {', '.join(BASES)}"
+            )
         self.generator = torch.Generator().manual_seed(self.seed)
         self.random: dict[tuple[int, int], Tensor] = {}
         self.fitted: dict[int, tuple[Tensor, Tensor]] = {}
@@ -311,9 +319,10 @@ def main() -> None:
         return tuple(int(x) for x in text.split(","))
 
     bases = tuple(a.basis.split(","))
-    if not set(bases) <= {"random", "pca", "fitted"}:
-        sys.exit(f"--basis {a.basis}: each must be random, pca or fitted")
-    tally = Tally(dims=ints(a.dims), tops=ints(a.top), bases=bases, seed=a.seed)
+    try:
+        tally = Tally(dims=ints(a.dims), tops=ints(a.top), bases=bases, seed=a.seed)
+    except ValueError as e:
+        sys.exit(f"--basis: {e}")
     segments = (a.fit_segments, a.segments)
     measure(a.checkpoint, tally, n_slot=a.n_slot, segments=segments, split=a.split, batch_size=a.batch_size)
     print(f"{a.checkpoint}: {tally.queries} queries in {tally.calls} row matches; hit rate (mean regret)")
