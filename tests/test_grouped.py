@@ -31,27 +31,33 @@ def _explicit(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, to_row
     return x @ z.transpose(1, 2) if to_rows else x @ z
 
 
+@pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("size", [1, 2, 3, 64, None, "token_rows"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("to_rows", [True, False], ids=["to_rows", "from_rows"])
-def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, monkeypatch):
+def test_grouped_product_equals_the_explicit_gather(to_rows, normalize, size, k, monkeypatch):
     """Every tile size (1: no padding; 2, 3: slots over several tiles, padding; 64: one tile per
     slot; None: the cost model's), rows read one tile per chunk, and the token-by-token form
-    (:class:`TokenRows`, a GPU's); a token selecting a slot twice, heads 3; values and gradients
-    to 1e-12 in float64, and gradcheck."""
+    (:class:`TokenRows`, a GPU's); k = 2 with a token selecting a slot twice, and k = 1 (the pairs
+    are the tokens: ``from_rows`` returns its buffer without a sum); heads 3; values and
+    gradients to 1e-12 in float64, the gradient arriving in a transposed layout (as the
+    mixture's does in the model), and gradcheck."""
     monkeypatch.setattr(grouped, "CHUNK_VALUES", 1)
     g = torch.Generator().manual_seed(0)
     values = torch.randn(6, 4, 5, dtype=torch.float64, generator=g)  # 6 slots of 4 rows, d = 5
-    index = torch.randint(0, 6, (9, 2), generator=g)  # 9 tokens, k = 2
-    index[0] = 3  # a slot twice
-    shape = (9, 3, 5) if to_rows else (9, 3, 8)
+    index = torch.randint(0, 6, (9, k), generator=g)  # 9 tokens
+    index[0] = 3  # a slot twice where k = 2
+    shape = (9, 3, 5) if to_rows else (9, 3, 4 * k)
     x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
     groups = TokenRows.of(index) if size == "token_rows" else SlotGroups.of(index, size=size)
     out = grouped_product(x, values, groups, to_rows=to_rows, normalize=normalize)
     x_ref = x.detach().clone().requires_grad_()
     ref = _explicit(x_ref, values, index, to_rows, normalize)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    # the weights made [H, T, X] and viewed [T, H, X]: a transposed gradient
+    w = torch.randn(ref.shape[1], ref.shape[0], ref.shape[2], dtype=torch.float64, generator=g).transpose(
+        0, 1
+    )
     (out * w).sum().backward()
     (ref * w).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)

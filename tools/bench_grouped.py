@@ -5,7 +5,7 @@ retrieved attention grouped by slot (docs/method.md §3, "Efficient main pass") 
 ``attend_with_cache`` and ``CacheContext.slot_groups`` (the pairs' form) of ``crtn/model/retrieved.py``,
 ``Gate._row_scores`` and ``Gate.select`` of ``crtn/model/gate.py``, ``ngram_row_scores`` of
 ``crtn/model/rowmatch.py``, ``SegmentCache._top`` of ``crtn/model/cache.py``,
-``SlotGroups.to_rows``, ``from_rows`` and ``_chunk`` of ``crtn/model/grouped.py``; a row match
+``SlotGroups.to_rows``, ``from_rows``, ``_chunk`` and ``_TileProduct.backward`` of ``crtn/model/grouped.py``; a row match
 from before the lead-in was named by slot gets the lead-in rows gathered, as the cache gathered
 them then, and grouped products from before ``cache.product_dtype`` multiply in the operands'
 dtype, as they did),
@@ -70,7 +70,7 @@ from crtn.bench import bench_device
 from crtn.bench.cases import Stepper, make_case, step_flops, step_peak, sync
 from crtn.bench.compare import compose_rows
 from crtn.model.cache import SegmentCache
-from crtn.model.grouped import SlotGroups
+from crtn.model.grouped import SlotGroups, _TileProduct
 from crtn.model.retrieved import CacheContext
 from crtn.model.rowmatch import LeadIn
 from crtn.utils import flush_denormals, tune_allocator
@@ -147,6 +147,7 @@ SWAPS = [
     ("crtn/model/grouped.py", "SlotGroups.to_rows", [(SlotGroups, "to_rows")]),
     ("crtn/model/grouped.py", "SlotGroups.from_rows", [(SlotGroups, "from_rows")]),
     ("crtn/model/grouped.py", "SlotGroups._chunk", [(SlotGroups, "_chunk")]),
+    ("crtn/model/grouped.py", "_TileProduct.backward", [(_TileProduct, "backward")]),
 ]
 
 

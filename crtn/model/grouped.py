@@ -191,6 +191,8 @@ class SlotGroups:
             res = torch.bmm(w.view(e - s, P * H, Ls), z, out=rbuf[: e - s])
             mixed.index_copy_(0, at, res.view(-1, H, d))
         by_token = mixed[:-1].view(T, self.k, H, d)
+        if self.k == 1:  # the pairs are the tokens: no sum, and no copy where the dtypes agree
+            return by_token[:, 0].to(y.dtype)
         out = by_token[:, 0].to(y.dtype, copy=True)
         for p in range(1, self.k):
             out += by_token[:, p]
@@ -293,7 +295,11 @@ class _TileProduct(torch.autograd.Function):
         (values,) = ctx.saved_tensors
         g: SlotGroups | TokenRows = ctx.groups
         adjoint = g.from_rows if ctx.to_rows else g.to_rows
-        dx = adjoint(grad.contiguous(), values, normalize=ctx.normalize, eps=ctx.eps, dtype=ctx.dtype)
+        # to_rows gathers its operand's rows from any layout (the mixture's gradient arrives
+        # transposed: no copy of it); from_rows views its operand's last dim as [k, Ls], which
+        # not every layout allows
+        grad = grad.contiguous() if ctx.to_rows else grad
+        dx = adjoint(grad, values, normalize=ctx.normalize, eps=ctx.eps, dtype=ctx.dtype)
         return dx, None, None, None, None, None, None
 
 
