@@ -39,14 +39,14 @@ def test_unknown_keys_walks_nested_and_optional_nodes():
     assert unknown_keys({"train": {"max_step": 1}, "x": 1}, RunSpec) == ["x"]
 
 
-@pytest.mark.parametrize("key", ["+model.no_such_key=1", "+cache.x=1", "+train.x=1", "+x=1"])
-def test_train_rejects_added_unknown_keys(tmp_path, key):
+def test_train_rejects_added_unknown_keys(tmp_path):
+    """``python -m crtn.train`` with a key added outside the schema exits 2 with one line before
+    any work starts (the other groups' keys: ``tests/test_bad_inputs.py``, in this process)."""
     run = tmp_path / "run"
-    p = cli("crtn.train", [*TINY_RUN, key, f"hydra.run.dir={run}"], tmp_path)
-    dotted = key[1:].split("=")[0]
+    p = cli("crtn.train", [*TINY_RUN, "+model.no_such_key=1", f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert lines == [f"crtn-train: error: unknown key '{dotted}' (not in the schema)"]
+    assert lines == ["crtn-train: error: unknown key 'model.no_such_key' (not in the schema)"]
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 

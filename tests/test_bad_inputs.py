@@ -148,10 +148,23 @@ CASES = [
     Case("unknown key", "crtn-train", [*T, "model.nonsense=1"], ["model.nonsense"]),
     Case("unknown key with +", "crtn-train", [*T, "+model.nonsense=1"], ["model.nonsense"]),
     Case("unknown top-level key", "crtn-train", [*T, "+nonsense=1"], ["'nonsense'"]),
+    Case(
+        "unknown train key", "crtn-train", [*T, "+train.x=1"], ["unknown key 'train.x' (not in the schema)"]
+    ),
+    Case(
+        "unknown cache key", "crtn-train", [*T, "+cache.x=1"], ["unknown key 'cache.x' (not in the schema)"]
+    ),
     Case("wrong type", "crtn-train", [*T, "model.n_layer=abc"], ["model.n_layer=abc"]),
     Case("wrong type bool", "crtn-train", [*T, "train.resume=maybe"], ["train.resume=maybe"]),
     Case("unknown option", "crtn-train", [*T, "model=nope"], ["model/nope"]),
     Case("tgt_len 0", "crtn-train", [*T, "model.tgt_len=0"], ["model.tgt_len=0"]),
+    Case("mem_len negative", "crtn-train", [*T, "model.mem_len=-1"], ["model.mem_len=-1 must be >= 0"]),
+    Case(
+        "mem_len not a multiple",
+        "crtn-train",
+        [*T, "model.mem_len=12"],
+        ["model.mem_len=12 must be a multiple of model.tgt_len=8"],
+    ),
     Case("top_k negative", "crtn-train", [*T, "cache.top_k=-1"], ["cache.top_k=-1"]),
     Case("n_slot negative", "crtn-train", [*T, "cache.n_slot=-1"], ["cache.n_slot=-1"]),
     Case("n_slot with txl", "crtn-train", [*T, "model=txl", "cache.n_slot=4"], ["cache.n_slot=4", "txl"]),
@@ -163,6 +176,7 @@ CASES = [
     ),
     Case("query/summary pairing", "crtn-train", [*T, "query=token", "summary=identity"], ["identity"]),
     Case("data.name", "crtn-train", [*T, "data.name=foo"], ["data.name='foo'"]),
+    Case("data.root missing", "crtn-train", [*T, "data=ptb", "data.root={w}/nope"], ["{w}/nope/penn"]),
     Case("lr 0", "crtn-train", [*T, "optim.lr=0"], ["optim.lr=0"]),
     Case(
         "batch_chunk", "crtn-train", [*T, "data.batch_size=3", "train.batch_chunk=2"], ["train.batch_chunk=2"]
@@ -332,6 +346,7 @@ CASES = [
     Case("eval unknown key", "crtn-eval", [*EV, f"checkpoint={SYN}", "+eval.nonsense=1"], ["eval.nonsense"]),
     # ------------------------------------------------------------------ crtn-generate
     Case("generate missing", "crtn-generate", ["checkpoint={w}/bad/nope.pt"], ["{w}/bad/nope.pt"]),
+    Case("generate unknown key", "crtn-generate", [f"checkpoint={SYN}", "+x=1"], ["unknown key 'x'"]),
     Case("generate not a checkpoint", "crtn-generate", ["checkpoint={w}/bad/list.pt"], ["{w}/bad/list.pt"]),
     Case("generate oov prompt", "crtn-generate", [f"checkpoint={PTB_CKPT}", "prompt=the zebra"], ["'zebra'"]),
     Case(
@@ -366,6 +381,12 @@ CASES = [
     ),
     # ------------------------------------------------------------------ crtn-convert
     Case("convert missing", "crtn-convert", ["src={w}/bad/nope.pt", "out={out}/c"], ["{w}/bad/nope.pt"]),
+    Case(
+        "convert unknown key",
+        "crtn-convert",
+        ["src={w}/bad/nope.pt", "out={out}/c", "data=ptb", "+data.x=1"],
+        ["unknown key 'data.x'"],
+    ),
     Case(
         "convert not torch", "crtn-convert", ["src={w}/file", "out={out}/c"], ["{w}/file", "not a torch file"]
     ),
