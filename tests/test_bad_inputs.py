@@ -79,6 +79,7 @@ def world(tmp_path_factory) -> Path:
     (texts / "binary.txt").write_bytes(bytes(range(256)) * 40)
     (texts / "truncated.txt").write_bytes("ab ü\n".encode() * 300 + "ü".encode()[:1])  # cut mid-character
     (texts / "chars.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    (texts / "empty.txt").write_text("")
     (w / "file").write_text("not a folder")
     ptb = ["data=ptb", f"data.root={data / 'ok'}", "data.batch_size=2", "data.eval_batch_size=2"]
     syn = _train(w, "syn")
@@ -90,6 +91,8 @@ def world(tmp_path_factory) -> Path:
     raw = syn.read_bytes()
     (bad / "truncated.pt").write_bytes(raw[: len(raw) // 3])
     (bad / "random.pt").write_bytes(b"PK\x03\x04 not really a zip file" * 10)
+    cut = shutil.copytree(syn.parents[1], w / "ckpt" / "cut")  # a run whose last checkpoint was cut short
+    (cut / "checkpoints" / "last.pt").write_bytes(raw[: len(raw) // 3])
     torch.save([1, 2, 3], bad / "list.pt")
     ckpt = torch.load(syn, weights_only=True)
     torch.save({**ckpt, "version": 99}, bad / "newer.pt")
@@ -207,6 +210,9 @@ CASES = [
     Case("corpus empty", "crtn-train", [*T, *PTB, "data.root={w}/data/empty"], ["train.txt", "empty"]),
     Case("corpus binary", "crtn-train", [*T, "data=text", "data.path={w}/text/binary.txt"], ["binary.txt"]),
     Case(
+        "text empty", "crtn-train", [*T, "data=text", "data.path={w}/text/empty.txt"], ["empty.txt", "empty"]
+    ),
+    Case(
         "corpus truncated",
         "crtn-train",
         [*T, "data=text", "data.path={w}/text/truncated.txt"],
@@ -282,6 +288,12 @@ CASES = [
         "crtn-train",
         [*TINY_RUN, "train.max_step=5", "train.eval_max_step=2", "hydra.run.dir={w}/ckpt/syn"],
         ["train.max_step: 2 -> 5", "train.allow_change=true"],
+    ),
+    Case(
+        "resume truncated",
+        "crtn-train",
+        [*TINY_RUN, "train.max_step=2", "train.eval_max_step=2", "hydra.run.dir={w}/ckpt/cut"],
+        ["{w}/ckpt/cut/checkpoints/last.pt", "cannot be read"],
     ),
     Case(
         "resume=false on a run",
