@@ -221,6 +221,24 @@ def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
         log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))
 
 
+def restore_model(ckpt: dict[str, Any], run: ResolvedRun, path: str) -> tuple[Any, torch.nn.Module]:
+    """The corpus of ``run.data`` and the model of ``run`` with the weights of the checkpoint
+    ``ckpt`` (read from ``path``: :func:`load_checkpoint`; ``run``: its :func:`checkpoint_spec`),
+    in evaluation mode on the CPU: what the analysis tools run.
+
+    Raises:
+        CheckpointError: the corpus has another vocabulary than the checkpoint (:func:`check_vocab`).
+    """
+    from crtn.data import load_corpus
+    from crtn.model import build_model
+
+    corpus = load_corpus(run.data)
+    check_vocab(ckpt, corpus, path)
+    model = build_model(run, len(corpus.vocab))
+    model.load_state_dict(ckpt["model"])
+    return corpus, model.eval()
+
+
 def check_vocab(ckpt: dict[str, Any], corpus: Any, path: str) -> None:
     """Refuse a corpus whose vocabulary differs from the checkpoint's (ids would mean other symbols).
 

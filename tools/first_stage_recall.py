@@ -271,18 +271,13 @@ def measure(
             the split ends before a row match is counted.
         CheckpointError: unreadable checkpoint.
     """
-    from crtn.checkpoint import checkpoint_spec, load_checkpoint
-    from crtn.data import load_corpus
-    from crtn.model import build_model
+    from crtn.checkpoint import checkpoint_spec, load_checkpoint, restore_model
 
     ckpt = load_checkpoint(checkpoint)
     cfg = checkpoint_spec(ckpt, None if n_slot is None else {"cache": {"n_slot": n_slot}})
     if cfg.model.name != "crtn" or cfg.summary.name != "token_max" or cfg.query.strategy == "gate":
         sys.exit(f"{checkpoint}: needs a crtn model whose query pass uses summary=token_max")
-    corpus = load_corpus(cfg.data)
-    model = build_model(cfg, len(corpus.vocab))
-    model.load_state_dict(ckpt["model"])
-    model.eval()
+    corpus, model = restore_model(ckpt, cfg, checkpoint)
     fit = segments[0] if "fitted" in tally.bases else 0
     phase: list[str | None] = [None]
     state, N = None, cfg.cache.n_slot  # N segments fill the cache

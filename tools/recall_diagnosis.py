@@ -111,9 +111,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int, shift: int = 0) -> di
         CheckpointError: unreadable checkpoint.
         ValueError: ``-shift`` beyond the memory length.
     """
-    from crtn.checkpoint import checkpoint_spec, load_checkpoint
-    from crtn.data import load_corpus
-    from crtn.model import build_model
+    from crtn.checkpoint import checkpoint_spec, load_checkpoint, restore_model
 
     ckpt = load_checkpoint(checkpoint)
     cfg = checkpoint_spec(ckpt)
@@ -121,10 +119,7 @@ def diagnose(checkpoint: str, split: str, batch_size: int, shift: int = 0) -> di
         sys.exit(
             f"{checkpoint}: needs a crtn model trained on data=synthetic, not {cfg.model.name} on {cfg.data.name}"
         )
-    corpus = load_corpus(cfg.data)
-    model = build_model(cfg, len(corpus.vocab))
-    model.load_state_dict(ckpt["model"])
-    model.eval()
+    corpus, model = restore_model(ckpt, cfg, checkpoint)
     L = model.tgt_len
     it = corpus.iterator(split, batch_size, L)
     labels, gaps = corpus.labels[split].long(), corpus.repeat_gap[split].long()

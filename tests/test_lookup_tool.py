@@ -1,0 +1,99 @@
+"""tools/lookup_agreement.py: the longest-suffix match against hand-computed cases, and a run over a
+trained checkpoint against a naive per-query loop over the same selections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crtn.checkpoint import checkpoint_spec, load_checkpoint, restore_model
+from crtn.train import train_in
+from tests.helpers import TINY_RUN, compose_train, load_tool
+
+
+def test_longest_suffix_by_hand(monkeypatch):
+    """Stream 0 = a b c a b c x b c, queries at 6, 7, 8, cached positions [1, 6) (q + 1 there, so
+    q in 0..4): x matches nothing; b one token, at q = 1 and 4; c two (b c), at q = 2 only (q = 5
+    is outside). With the cache [3, 6): b at q = 4 alone, c still at q = 2. Stream 1, all equal:
+    q = 4 matches as far back as the stream goes, 5 tokens, cut at max_len 4 to a tie of q = 3, 4."""
+    tool = load_tool("lookup_agreement", monkeypatch)
+    a, b, c, x = 0, 1, 2, 3
+    tokens = torch.tensor([[a, b, c, a, b, c, x, b, c], [a] * 9])
+
+    def ends_at(ends, lo):
+        return [(torch.arange(lo - 1, lo - 1 + e.shape[-1])[e]).tolist() for e in ends]
+
+    length, ends = tool.longest_suffix(tokens, (6, 3), (1, 6), max_len=5)
+    assert length.tolist() == [[0, 1, 2], [5, 5, 5]]
+    assert ends_at(ends[0], 1) == [[], [1, 4], [2]] and ends_at(ends[1], 1) == [[4], [4], [4]]
+    length, ends = tool.longest_suffix(tokens, (6, 3), (3, 6), max_len=5)
+    assert length[0].tolist() == [0, 1, 2] and ends_at(ends[0], 3) == [[], [4], [2]]
+    length, ends = tool.longest_suffix(tokens, (6, 3), (1, 6), max_len=4)
+    assert length[1].tolist() == [4, 4, 4] and ends_at(ends[1], 1)[0] == [3, 4]
+    with pytest.raises(ValueError, match="cached range"):
+        tool.longest_suffix(tokens, (6, 3), (0, 6), max_len=5)
+    with pytest.raises(ValueError, match="cached range"):
+        tool.longest_suffix(tokens, (6, 3), (1, 7), max_len=5)
+
+
+def _naive_counts(tool, tokens, selections, *, lo_of, seg, max_len):
+    """The agreement counts by loops: every query, every earlier position, token by token."""
+    counts = {k: [0] * len(tool.BUCKETS) for k in ("queries", "slot", "recent", "row", "with_row")}
+    for t0, start, row in selections:
+        lo, hi = lo_of(t0)
+        for bi in range(tokens.shape[0]):
+            x = tokens[bi].tolist()
+            for j in range(start.shape[1]):
+                p = t0 + j
+                lengths = {}
+                for q in range(lo - 1, hi - 1):
+                    n = 0
+                    while n < max_len and p - n >= 0 and q - n >= 0 and x[p - n] == x[q - n]:
+                        n += 1
+                    lengths[q] = n
+                best = max(lengths.values())
+                ends = [q for q, n in lengths.items() if n == best and best > 0]
+                chosen = (int(start[bi, j]) - lo) // seg
+                i = next(k for k, (a, b) in enumerate(tool.BUCKETS) if best >= a and (b is None or best < b))
+                counts["queries"][i] += 1
+                counts["slot"][i] += any((q + 1 - lo) // seg == chosen for q in ends)
+                counts["recent"][i] += bool(ends) and (max(ends) + 1 - lo) // seg == chosen
+                counts["with_row"][i] += 1
+                counts["row"][i] += any(q + 1 == int(row[bi, j]) for q in ends)
+    return counts
+
+
+def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
+    """Over a trained checkpoint (passages that repeat, so long matches occur): the tool's counts
+    equal those of a naive loop over the same model's selections, every counted query is counted
+    once, and some query of the long-match buckets agrees."""
+    tool = load_tool("lookup_agreement", monkeypatch)
+    run = tmp_path / "run"
+    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
+    ckpt_path = str(run / "checkpoints/best.pt")
+    segments, batch = 5, 4
+    tally = tool.measure(
+        ckpt_path, n_slot=None, segments=segments, max_len=12, split="valid", batch_size=batch
+    )
+    ckpt = load_checkpoint(ckpt_path)
+    cfg = checkpoint_spec(ckpt, None)
+    corpus, model = restore_model(ckpt, cfg, ckpt_path)
+    N, L, m = cfg.cache.n_slot, model.tgt_len, cfg.model.mem_len
+    state, seen, selections = None, [], []
+    with torch.no_grad():
+        for i, b in enumerate(corpus.iterator("valid", batch, L)):
+            seen.append(b.input)
+            out = model(b.input, b.target, state)
+            state = out.state
+            t0 = i * L
+            if t0 - m - N * L >= 1 and len(selections) < segments:
+                start = t0 - out.selection.age[..., 0]
+                selections.append((t0, start, start + out.selection.row[..., 0]))
+    tokens = torch.cat(seen, 1)
+    naive = _naive_counts(
+        tool, tokens, selections, lo_of=lambda t0: (t0 - m - N * L, t0 - m), seg=L, max_len=12
+    )
+    assert tally.counts == naive
+    assert sum(naive["queries"]) == segments * batch * L
+    assert sum(naive["slot"][2:]) > 0
+    assert "| 16-12 |" not in tally.table(12) and "| 0 |" in tally.table(12)
