@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from crtn.config import ResolvedRun, load_spec
+from crtn.data import Corpus, load_corpus
 from crtn.errors import CheckpointError
+from crtn.model import build_model
 from crtn.utils import atomic_write
 
 log = logging.getLogger("crtn.checkpoint")
@@ -221,7 +223,7 @@ def init_from(model: torch.nn.Module, path: str, corpus: Any) -> None:
         log.info("freshly initialised (not in %s): %s", path, ", ".join(missing))
 
 
-def restore_model(ckpt: dict[str, Any], run: ResolvedRun, path: str) -> tuple[Any, torch.nn.Module]:
+def restore_model(ckpt: dict[str, Any], run: ResolvedRun, path: str) -> tuple[Corpus, torch.nn.Module]:
     """The corpus of ``run.data`` and the model of ``run`` with the weights of the checkpoint
     ``ckpt`` (read from ``path``: :func:`load_checkpoint`; ``run``: its :func:`checkpoint_spec`),
     in evaluation mode on the CPU: what the analysis tools run.
@@ -229,9 +231,6 @@ def restore_model(ckpt: dict[str, Any], run: ResolvedRun, path: str) -> tuple[An
     Raises:
         CheckpointError: the corpus has another vocabulary than the checkpoint (:func:`check_vocab`).
     """
-    from crtn.data import load_corpus
-    from crtn.model import build_model
-
     corpus = load_corpus(run.data)
     check_vocab(ckpt, corpus, path)
     model = build_model(run, len(corpus.vocab))

@@ -39,7 +39,8 @@ def test_longest_suffix_by_hand(monkeypatch):
 def _naive_counts(tool, tokens, selections, *, lo_of, seg, max_len):
     """The agreement counts by loops: every query, every earlier position, token by token."""
     counts = {k: [0] * len(tool.BUCKETS) for k in ("queries", "slot", "recent", "row", "with_row")}
-    for t0, start, row in selections:
+    nll = {k: [0.0] * len(tool.BUCKETS) for k in ("with", "empty")}
+    for t0, start, row, losses in selections:
         lo, hi = lo_of(t0)
         for bi in range(tokens.shape[0]):
             x = tokens[bi].tolist()
@@ -60,13 +61,16 @@ def _naive_counts(tool, tokens, selections, *, lo_of, seg, max_len):
                 counts["recent"][i] += bool(ends) and (max(ends) + 1 - lo) // seg == chosen
                 counts["with_row"][i] += 1
                 counts["row"][i] += any(q + 1 == int(row[bi, j]) for q in ends)
-    return counts
+                for key, loss in zip(("with", "empty"), losses):
+                    nll[key][i] += float(loss[bi, j])
+    return counts, nll
 
 
 def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
     """Over a trained checkpoint (passages that repeat, so long matches occur): the tool's counts
-    equal those of a naive loop over the same model's selections, every counted query is counted
-    once, and some query of the long-match buckets agrees."""
+    and summed losses equal those of a naive loop over the same model's selections and losses
+    (with the cache, and the same weights with an empty one), every counted query is counted
+    once, some query of the long-match buckets agrees, and there the cache lowers the loss."""
     tool = load_tool("lookup_agreement", monkeypatch)
     run = tmp_path / "run"
     train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
@@ -78,22 +82,29 @@ def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
     ckpt = load_checkpoint(ckpt_path)
     cfg = checkpoint_spec(ckpt, None)
     corpus, model = restore_model(ckpt, cfg, ckpt_path)
+    _, empty = restore_model(ckpt, checkpoint_spec(ckpt, {"cache": {"n_slot": 0}}), ckpt_path)
+    assert empty.spec.cache.n_slot == 0
     N, L, m = cfg.cache.n_slot, model.tgt_len, cfg.model.mem_len
-    state, seen, selections = None, [], []
+    state, state_empty, seen, selections = None, None, [], []
     with torch.no_grad():
         for i, b in enumerate(corpus.iterator("valid", batch, L)):
             seen.append(b.input)
             out = model(b.input, b.target, state)
-            state = out.state
+            out_empty = empty(b.input, b.target, state_empty)
+            state, state_empty = out.state, out_empty.state
             t0 = i * L
             if t0 - m - N * L >= 1 and len(selections) < segments:
                 start = t0 - out.selection.age[..., 0]
-                selections.append((t0, start, start + out.selection.row[..., 0]))
+                losses = (out.nll.double(), out_empty.nll.double())
+                selections.append((t0, start, start + out.selection.row[..., 0], losses))
     tokens = torch.cat(seen, 1)
-    naive = _naive_counts(
+    naive, nll = _naive_counts(
         tool, tokens, selections, lo_of=lambda t0: (t0 - m - N * L, t0 - m), seg=L, max_len=12
     )
     assert tally.counts == naive
+    for key in ("with", "empty"):
+        assert tally.nll[key] == pytest.approx(nll[key], rel=1e-9, abs=1e-9)
     assert sum(naive["queries"]) == segments * batch * L
     assert sum(naive["slot"][2:]) > 0
+    assert sum(nll["with"][2:]) < sum(nll["empty"][2:])
     assert "| 16-12 |" not in tally.table(12) and "| 0 |" in tally.table(12)

@@ -21,7 +21,10 @@ and row the model selected (its reported selection: :attr:`crtn.model.crtn.LMOut
 Per length l of the longest match (:data:`BUCKETS`) it prints the share of the queries, the
 share whose selected slot holds the token after one of the longest matches (*slot agrees*), the
 share whose selected best row is that token (*row agrees*; empty without ``Selection.row``),
-and the share whose selected slot is the one of the most recent longest match.
+the share whose selected slot is the one of the most recent longest match, the mean loss of the
+next token with the cache and with it empty (the same weights, ``eval.n_slot=0``: docs/method.md
+§5, "What the cache contributes"), and the bucket's share of what the cache removes from the
+summed loss: whether the cache's gain lies where a lookup would retrieve the same.
 
 Raises SystemExit with one line when the checkpoint's retrieval is not a query strategy's
 selection of one slot per token through ``summary=token_max`` (Transformer-XL, ``query=gate``,
@@ -87,16 +90,29 @@ def longest_suffix(
 @dataclass
 class Agreement:
     """Counts per bucket of the longest match's length (:data:`BUCKETS`): queries, slot agrees,
-    row agrees (and queries with a row reported), most recent slot agrees."""
+    row agrees (and queries with a row reported), most recent slot agrees; and the summed loss
+    (nats) of the queries' next tokens with the cache and with it empty (``eval.n_slot=0``, the
+    same weights: docs/method.md §5, "What the cache contributes")."""
 
     counts: dict[str, list[int]] = field(default_factory=lambda: {k: [0] * len(BUCKETS) for k in _KEYS})
+    nll: dict[str, list[float]] = field(
+        default_factory=lambda: {k: [0.0] * len(BUCKETS) for k in ("with", "empty")}
+    )
 
     def add(
-        self, length: Tensor, ends: Tensor, chosen: tuple[Tensor, Tensor | None], *, lo: int, seg: int
+        self,
+        length: Tensor,
+        ends: Tensor,
+        chosen: tuple[Tensor, Tensor | None],
+        *,
+        lo: int,
+        seg: int,
+        nll: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         """One segment's queries: ``length`` and ``ends`` from :func:`longest_suffix` (``lo`` as
         given there), ``chosen`` = (the selected slot's first position [B, L] long, its best row's
-        position [B, L] long or None); ``seg``: Ls, positions per slot."""
+        position [B, L] long or None); ``seg``: Ls, positions per slot; ``nll`` = the loss [B, L]
+        of each query's next token with the cache and with it empty, or None."""
         start, row = chosen
         after = torch.arange(ends.shape[-1]) + lo  # the token after each q: q + 1
         slot_of = (after - lo) // seg  # [R] which cached segment holds it
@@ -116,14 +132,20 @@ class Agreement:
             if flags["row"] is not None:
                 self.counts["with_row"][i] += int(sel.sum())
                 self.counts["row"][i] += int((sel & flags["row"]).sum())
+            for key, x in zip(("with", "empty"), nll or ()):
+                self.nll[key][i] += float(x.double()[sel].sum())
 
     def table(self, max_len: int) -> str:
-        """Markdown: per bucket the share of queries and the three agreements."""
+        """Markdown: per bucket the share of queries, the three agreements, the mean loss with the
+        cache and with it empty (nats), and the bucket's share of the cache's gain (the summed
+        loss it removes there over the summed loss it removes in all)."""
         c = self.counts
         total = max(1, sum(c["queries"]))
+        gain = sum(self.nll["empty"]) - sum(self.nll["with"])
         lines = [
-            "| longest match l | queries | slot agrees | row agrees | most recent's slot |",
-            "|---|---:|---:|---:|---:|",
+            "| longest match l | queries | slot agrees | row agrees | most recent's slot"
+            " | loss with / empty | share of the gain |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for i, (a, b) in enumerate(BUCKETS):
             if a > max_len:
@@ -135,7 +157,10 @@ class Agreement:
                 return f"{c[k][i] / of:.3f}" if of else "-"
 
             row = share("row", c["with_row"][i])
-            lines.append(f"| {name} | {n / total:.3f} | {share('slot', n)} | {row} | {share('recent', n)} |")
+            loss = f"{self.nll['with'][i] / n:.3f} / {self.nll['empty'][i] / n:.3f}" if n else "-"
+            part = f"{(self.nll['empty'][i] - self.nll['with'][i]) / gain:.3f}" if gain else "-"
+            agrees = f"{share('slot', n)} | {row} | {share('recent', n)}"
+            lines.append(f"| {name} | {n / total:.3f} | {agrees} | {loss} | {part} |")
         return "\n".join(lines)
 
 
@@ -146,7 +171,7 @@ def measure(
     checkpoint: str, *, n_slot: int | None, segments: int, max_len: int, split: str, batch_size: int
 ) -> Agreement:
     """Run ``checkpoint`` over ``split`` (module docstring) and count ``segments`` segments once its
-    cache is full.
+    cache is full; the same weights with an empty cache run beside it on the same tokens.
 
     Raises:
         SystemExit: the checkpoint is not a crtn model selecting one slot per token through
@@ -164,15 +189,16 @@ def measure(
     if cfg.summary.name != "token_max":
         sys.exit(f"{checkpoint}: needs summary=token_max (its best row is the selection compared)")
     corpus, model = restore_model(ckpt, cfg, checkpoint)
+    _, empty = restore_model(ckpt, checkpoint_spec(ckpt, {"cache": {"n_slot": 0}}), checkpoint)
     N, L, m = cfg.cache.n_slot, model.tgt_len, cfg.model.mem_len
-    tally, state, seen, counted = Agreement(), None, [], 0
+    tally, states, seen, counted = Agreement(), (None, None), [], 0
     with torch.no_grad():
         for i, batch in enumerate(corpus.iterator(split, batch_size, L)):
             if counted == segments:
                 break
             seen.append(batch.input)
-            out = model(batch.input, batch.target, state)
-            state = out.state
+            out, out_empty = (f(batch.input, batch.target, s) for f, s in zip((model, empty), states))
+            states = (out.state, out_empty.state)
             t0, sel = i * L, out.selection
             lo = t0 - m - N * L  # the cache: the N segments before the memory's m positions
             if lo < 1:  # not full yet (position 0 is never a retrieved token)
@@ -180,7 +206,7 @@ def measure(
             start = t0 - sel.age[..., 0]
             row = None if sel.row is None else start + sel.row[..., 0]
             length, ends = longest_suffix(torch.cat(seen, 1), (t0, L), (lo, t0 - m), max_len)
-            tally.add(length, ends, (start, row), lo=lo, seg=L)
+            tally.add(length, ends, (start, row), lo=lo, seg=L, nll=(out.nll, out_empty.nll))
             counted += 1
     if sum(tally.counts["queries"]) == 0:
         sys.exit(f"{checkpoint}: no segment counted in {split} (shorter than the cache's range?)")
