@@ -8,8 +8,9 @@
 reads every row of every slot for every query, so its cost grows with N Ls. A lookup on the
 tokens themselves does not: the *longest-suffix match* of query position p is the largest
 l <= ``--max-len`` such that the l tokens ending at p, x_{p-l+1..p}, also end at some earlier
-position q, with q + 1 inside the cache (the token that followed the earlier occurrence, the one
-a copy would predict: ``summary.shift`` 1 keys a row by the rows before it in the same way). Such
+position q, with q + 1 inside the cache (the N segments before the memory's m positions; q + 1
+is the token that followed the earlier occurrence, the one a copy would predict:
+``summary.shift`` 1 keys a row by the rows before it in the same way). Such
 a lookup is exact, costs the same at any N with a suffix index, and is what an induction head or
 an infinity-gram model reads (Olsson et al. 2022; Liu et al. 2024, "Infini-gram").
 
