@@ -35,12 +35,16 @@ selection of one slot per token through ``summary=token_max`` (Transformer-XL, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+#: the shortest longest match at which the gated run retrieves (:func:`retrieving_only`)
+GATE_LEN = 4
 #: the lengths l of the longest match reported apart: 0 (no earlier occurrence of the token), then
 #: [lo, hi) ranges; the last one ends at --max-len inclusive
 BUCKETS = ((0, 1), (1, 4), (4, 8), (8, 16), (16, None))
@@ -88,16 +92,38 @@ def longest_suffix(
     return best, (length == best[..., None]) & (best[..., None] > 0)
 
 
+@contextlib.contextmanager
+def retrieving_only(where: Tensor) -> Iterator[None]:
+    """Inside, the retrieving layers give the retrieved rows of the queries where ``where`` [B, L]
+    bool is False a score of -inf (added to their position term of the concatenated context, which
+    ``cache.pos`` concat and match keep): those queries attend to the memory and the segment
+    alone, as with an empty cache, and the others as before. Restored on exit."""
+    import crtn.model.attention as attention
+
+    inner = attention.attend_with_cache
+
+    def gated(attn: object, score: Tensor, bd_cache: Tensor, **kw: object) -> Tensor:
+        block = torch.zeros(where.shape, dtype=bd_cache.dtype).masked_fill(~where, float("-inf"))
+        return inner(attn, score, bd_cache + block[:, None, :, None], **kw)
+
+    attention.attend_with_cache = gated
+    try:
+        yield
+    finally:
+        attention.attend_with_cache = inner
+
+
 @dataclass
 class Agreement:
     """Counts per bucket of the longest match's length (:data:`BUCKETS`): queries, slot agrees,
     row agrees (and queries with a row reported), most recent slot agrees; and the summed loss
-    (nats) of the queries' next tokens with the cache and with it empty (``eval.n_slot=0``, the
-    same weights: docs/method.md §5, "What the cache contributes")."""
+    (nats) of the queries' next tokens with the cache, with it empty (``eval.n_slot=0``, the
+    same weights: docs/method.md §5, "What the cache contributes") and with retrieval where the
+    longest match is :data:`GATE_LEN` or longer only (*gated*, :func:`retrieving_only`)."""
 
     counts: dict[str, list[int]] = field(default_factory=lambda: {k: [0] * len(BUCKETS) for k in _KEYS})
     nll: dict[str, list[float]] = field(
-        default_factory=lambda: {k: [0.0] * len(BUCKETS) for k in ("with", "empty")}
+        default_factory=lambda: {k: [0.0] * len(BUCKETS) for k in ("with", "empty", "gated")}
     )
 
     def add(
@@ -108,12 +134,12 @@ class Agreement:
         *,
         lo: int,
         seg: int,
-        nll: tuple[Tensor, Tensor] | None = None,
+        nll: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> None:
         """One segment's queries: ``length`` and ``ends`` from :func:`longest_suffix` (``lo`` as
         given there), ``chosen`` = (the selected slot's first position [B, L] long, its best row's
         position [B, L] long or None); ``seg``: Ls, positions per slot; ``nll`` = the loss [B, L]
-        of each query's next token with the cache and with it empty, or None."""
+        of each query's next token with the cache, with it empty and gated, or None."""
         start, row = chosen
         after = torch.arange(ends.shape[-1]) + lo  # the token after each q: q + 1
         slot_of = (after - lo) // seg  # [R] which cached segment holds it
@@ -133,7 +159,7 @@ class Agreement:
             if flags["row"] is not None:
                 self.counts["with_row"][i] += int(sel.sum())
                 self.counts["row"][i] += int((sel & flags["row"]).sum())
-            for key, x in zip(("with", "empty"), nll or ()):
+            for key, x in zip(("with", "empty", "gated"), nll or ()):
                 self.nll[key][i] += float(x.double()[sel].sum())
 
     def table(self, max_len: int) -> str:
@@ -145,7 +171,7 @@ class Agreement:
         gain = sum(self.nll["empty"]) - sum(self.nll["with"])
         lines = [
             "| longest match l | queries | slot agrees | row agrees | most recent's slot"
-            " | loss with / empty | share of the gain |",
+            " | loss with / empty / gated | share of the gain |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for i, (a, b) in enumerate(BUCKETS):
@@ -158,10 +184,12 @@ class Agreement:
                 return f"{c[k][i] / of:.3f}" if of else "-"
 
             row = share("row", c["with_row"][i])
-            loss = f"{self.nll['with'][i] / n:.3f} / {self.nll['empty'][i] / n:.3f}" if n else "-"
+            loss = " / ".join(f"{self.nll[k][i] / n:.3f}" for k in ("with", "empty", "gated")) if n else "-"
             part = f"{(self.nll['empty'][i] - self.nll['with'][i]) / gain:.3f}" if gain else "-"
             agrees = f"{share('slot', n)} | {row} | {share('recent', n)}"
             lines.append(f"| {name} | {n / total:.3f} | {agrees} | {loss} | {part} |")
+        mean = " / ".join(f"{sum(self.nll[k]) / total:.4f}" for k in ("with", "empty", "gated"))
+        lines.append(f"| all | 1 | | | | {mean} | 1 |")
         return "\n".join(lines)
 
 
@@ -187,27 +215,33 @@ def measure(
         sys.exit(
             f"{checkpoint}: needs a crtn model whose query pass selects one slot per token (cache.top_k=1)"
         )
-    if cfg.summary.name != "token_max":
-        sys.exit(f"{checkpoint}: needs summary=token_max (its best row is the selection compared)")
+    if cfg.summary.name != "token_max" or cfg.cache.pos == "real":
+        sys.exit(f"{checkpoint}: needs summary=token_max and cache.pos concat or match")
     corpus, model = restore_model(ckpt, cfg, checkpoint)
     _, empty = restore_model(ckpt, checkpoint_spec(ckpt, {"cache": {"n_slot": 0}}), checkpoint)
+    _, gated = restore_model(ckpt, cfg, checkpoint)
     N, L, m = cfg.cache.n_slot, model.tgt_len, cfg.model.mem_len
-    tally, states, seen, counted = Agreement(), (None, None), [], 0
+    tally, states, seen, counted = Agreement(), [None] * 3, [], 0
     with torch.no_grad():
         for i, batch in enumerate(corpus.iterator(split, batch_size, L)):
             if counted == segments:
                 break
             seen.append(batch.input)
-            out, out_empty = (f(batch.input, batch.target, s) for f, s in zip((model, empty), states))
-            states = (out.state, out_empty.state)
-            t0, sel = i * L, out.selection
-            lo = t0 - m - N * L  # the cache: the N segments before the memory's m positions
-            if lo < 1:  # not full yet (position 0 is never a retrieved token)
+            t0 = i * L
+            lo, hi = max(1, t0 - m - N * L), t0 - m  # the N segments before the memory's m positions
+            length, ends = (None, None)
+            if lo < hi:
+                length, ends = longest_suffix(torch.cat(seen, 1), (t0, L), (lo, hi), max_len)
+            where = torch.zeros(batch.input.shape, dtype=torch.bool) if length is None else length >= GATE_LEN
+            outs = [model(batch.input, batch.target, states[0]), empty(batch.input, batch.target, states[1])]
+            with retrieving_only(where):
+                outs.append(gated(batch.input, batch.target, states[2]))
+            states = [o.state for o in outs]
+            if t0 - m - N * L < 1:  # the cache not full yet
                 continue
-            start = t0 - sel.age[..., 0]
-            row = None if sel.row is None else start + sel.row[..., 0]
-            length, ends = longest_suffix(torch.cat(seen, 1), (t0, L), (lo, t0 - m), max_len)
-            tally.add(length, ends, (start, row), lo=lo, seg=L, nll=(out.nll, out_empty.nll))
+            start = t0 - outs[0].selection.age[..., 0]
+            row = None if outs[0].selection.row is None else start + outs[0].selection.row[..., 0]
+            tally.add(length, ends, (start, row), lo=lo, seg=L, nll=tuple(o.nll for o in outs))
             counted += 1
     if sum(tally.counts["queries"]) == 0:
         sys.exit(f"{checkpoint}: no segment counted in {split} (shorter than the cache's range?)")
