@@ -108,3 +108,42 @@ def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
     assert sum(naive["slot"][2:]) > 0
     assert sum(nll["with"][2:]) < sum(nll["empty"][2:])
     assert "| 16-12 |" not in tally.table(12) and "| 0 |" in tally.table(12)
+
+
+def test_retrieving_only_is_the_cache_where_true_and_an_empty_one_where_false(tmp_path, monkeypatch):
+    """Over a trained checkpoint's steps once the cache is full: a run inside
+    :func:`retrieving_only` with every query allowed equals the run with the cache exactly; with
+    none allowed it equals the same weights with an empty cache (to float32 rounding: the softmax
+    runs over more, zero, terms); with half the streams allowed, each half equals its own; and
+    the model's attention is restored on exit."""
+    import crtn.model.attention as attention
+
+    tool = load_tool("lookup_agreement", monkeypatch)
+    run = tmp_path / "run"
+    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
+    path = str(run / "checkpoints/best.pt")
+    ckpt = load_checkpoint(path)
+    cfg = checkpoint_spec(ckpt, None)
+    corpus, model = restore_model(ckpt, cfg, path)
+    _, empty = restore_model(ckpt, checkpoint_spec(ckpt, {"cache": {"n_slot": 0}}), path)
+    inner = attention.attend_with_cache
+    batches = list(corpus.iterator("valid", 4, model.tgt_len))[: cfg.cache.n_slot + 4]
+    half = torch.tensor([True, False, True, False])[:, None].expand(4, model.tgt_len)
+    for allowed in ("all", "none", "half"):
+        where = {"all": torch.ones_like(half), "none": torch.zeros_like(half), "half": half}[allowed]
+        s_model, s_empty, s_gated = None, None, None
+        with torch.no_grad():
+            for b in batches:
+                out = model(b.input, b.target, s_model)
+                out_empty = empty(b.input, b.target, s_empty)
+                with tool.retrieving_only(where):
+                    out_gated = model(b.input, b.target, s_gated)
+                s_model, s_empty, s_gated = out.state, out_empty.state, out_gated.state
+        assert attention.attend_with_cache is inner
+        assert out.selection is not None  # the cache was read in the compared steps
+        if allowed != "none":
+            assert torch.equal(out_gated.nll[where[:, 0]], out.nll[where[:, 0]])
+        if allowed != "all":
+            kept = ~where[:, 0]
+            torch.testing.assert_close(out_gated.nll[kept], out_empty.nll[kept], rtol=0, atol=1e-5)
+            assert not torch.allclose(out.nll[kept], out_empty.nll[kept], rtol=0, atol=1e-5)

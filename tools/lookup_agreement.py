@@ -23,13 +23,18 @@ Per length l of the longest match (:data:`BUCKETS`) it prints the share of the q
 share whose selected slot holds the token after one of the longest matches (*slot agrees*), the
 share whose selected best row is that token (*row agrees*; empty without ``Selection.row``),
 the share whose selected slot is the one of the most recent longest match, the mean loss of the
-next token with the cache and with it empty (the same weights, ``eval.n_slot=0``: docs/method.md
-§5, "What the cache contributes"), and the bucket's share of what the cache removes from the
-summed loss: whether the cache's gain lies where a lookup would retrieve the same.
+next token with the cache, with it empty (the same weights, ``eval.n_slot=0``: docs/method.md
+§5, "What the cache contributes") and gated (below), and the bucket's share of what the cache removes from the
+summed loss: whether the cache's gain lies where a lookup would retrieve the same. A third run
+of the same model retrieves only where the longest match is :data:`GATE_LEN` tokens or longer
+(the other queries' retrieved rows masked: :func:`retrieving_only`), the gating a lookup
+retriever would apply, measured on a trained model without training it again; the last row of
+the table gives the three mean losses.
 
 Raises SystemExit with one line when the checkpoint's retrieval is not a query strategy's
 selection of one slot per token through ``summary=token_max`` (Transformer-XL, ``query=gate``,
-``cache.top_k`` above 1).
+``cache.top_k`` above 1), or places the retrieved rows by ``cache.pos=real`` (whose position
+term the gated run cannot mask).
 """
 
 from __future__ import annotations
@@ -219,7 +224,6 @@ def measure(
         sys.exit(f"{checkpoint}: needs summary=token_max and cache.pos concat or match")
     corpus, model = restore_model(ckpt, cfg, checkpoint)
     _, empty = restore_model(ckpt, checkpoint_spec(ckpt, {"cache": {"n_slot": 0}}), checkpoint)
-    _, gated = restore_model(ckpt, cfg, checkpoint)
     N, L, m = cfg.cache.n_slot, model.tgt_len, cfg.model.mem_len
     tally, states, seen, counted = Agreement(), [None] * 3, [], 0
     with torch.no_grad():
@@ -235,7 +239,7 @@ def measure(
             where = torch.zeros(batch.input.shape, dtype=torch.bool) if length is None else length >= GATE_LEN
             outs = [model(batch.input, batch.target, states[0]), empty(batch.input, batch.target, states[1])]
             with retrieving_only(where):
-                outs.append(gated(batch.input, batch.target, states[2]))
+                outs.append(model(batch.input, batch.target, states[2]))  # its own states
             states = [o.state for o in outs]
             if t0 - m - N * L < 1:  # the cache not full yet
                 continue
