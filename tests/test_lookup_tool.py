@@ -11,6 +11,14 @@ from crtn.train import train_in
 from tests.helpers import TINY_RUN, compose_train, load_tool
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+    """A tiny crtn checkpoint trained for 30 steps on passages that repeat (its best.pt)."""
+    run = tmp_path_factory.mktemp("lookup") / "run"
+    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
+    return str(run / "checkpoints/best.pt")
+
+
 def test_longest_suffix_by_hand(monkeypatch):
     """Stream 0 = a b c a b c x b c, queries at 6, 7, 8, cached positions [1, 6) (q + 1 there, so
     q in 0..4): x matches nothing; b one token, at q = 1 and 4; c two (b c), at q = 2 only (q = 5
@@ -66,15 +74,13 @@ def _naive_counts(tool, tokens, selections, *, lo_of, seg, max_len):
     return counts, nll
 
 
-def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
+def test_a_run_over_a_checkpoint_equals_a_naive_loop(trained, monkeypatch):
     """Over a trained checkpoint (passages that repeat, so long matches occur): the tool's counts
     and summed losses equal those of a naive loop over the same model's selections and losses
     (with the cache, and the same weights with an empty one), every counted query is counted
     once, some query of the long-match buckets agrees, and there the cache lowers the loss."""
     tool = load_tool("lookup_agreement", monkeypatch)
-    run = tmp_path / "run"
-    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
-    ckpt_path = str(run / "checkpoints/best.pt")
+    ckpt_path = trained
     segments, batch = 5, 4
     tally = tool.measure(
         ckpt_path, n_slot=None, segments=segments, max_len=12, split="valid", batch_size=batch
@@ -110,7 +116,7 @@ def test_a_run_over_a_checkpoint_equals_a_naive_loop(tmp_path, monkeypatch):
     assert "| 16-12 |" not in tally.table(12) and "| 0 |" in tally.table(12)
 
 
-def test_retrieving_only_is_the_cache_where_true_and_an_empty_one_where_false(tmp_path, monkeypatch):
+def test_retrieving_only_is_the_cache_where_true_and_an_empty_one_where_false(trained, monkeypatch):
     """Over a trained checkpoint's steps once the cache is full: a run inside
     :func:`retrieving_only` with every query allowed equals the run with the cache exactly; with
     none allowed it equals the same weights with an empty cache (to float32 rounding: the softmax
@@ -119,9 +125,7 @@ def test_retrieving_only_is_the_cache_where_true_and_an_empty_one_where_false(tm
     import crtn.model.attention as attention
 
     tool = load_tool("lookup_agreement", monkeypatch)
-    run = tmp_path / "run"
-    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
-    path = str(run / "checkpoints/best.pt")
+    path = trained
     ckpt = load_checkpoint(path)
     cfg = checkpoint_spec(ckpt, None)
     corpus, model = restore_model(ckpt, cfg, path)

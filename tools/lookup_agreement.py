@@ -50,6 +50,8 @@ from torch import Tensor
 
 #: the shortest longest match at which the gated run retrieves (:func:`retrieving_only`)
 GATE_LEN = 4
+#: the three runs whose losses are summed: with the cache, with it empty, gated
+RUNS = ("with", "empty", "gated")
 #: the lengths l of the longest match reported apart: 0 (no earlier occurrence of the token), then
 #: [lo, hi) ranges; the last one ends at --max-len inclusive
 BUCKETS = ((0, 1), (1, 4), (4, 8), (8, 16), (16, None))
@@ -127,9 +129,7 @@ class Agreement:
     longest match is :data:`GATE_LEN` or longer only (*gated*, :func:`retrieving_only`)."""
 
     counts: dict[str, list[int]] = field(default_factory=lambda: {k: [0] * len(BUCKETS) for k in _KEYS})
-    nll: dict[str, list[float]] = field(
-        default_factory=lambda: {k: [0.0] * len(BUCKETS) for k in ("with", "empty", "gated")}
-    )
+    nll: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0] * len(BUCKETS) for k in RUNS})
 
     def add(
         self,
@@ -164,7 +164,7 @@ class Agreement:
             if flags["row"] is not None:
                 self.counts["with_row"][i] += int(sel.sum())
                 self.counts["row"][i] += int((sel & flags["row"]).sum())
-            for key, x in zip(("with", "empty", "gated"), nll or ()):
+            for key, x in zip(RUNS, nll or ()):
                 self.nll[key][i] += float(x.double()[sel].sum())
 
     def table(self, max_len: int) -> str:
@@ -189,11 +189,11 @@ class Agreement:
                 return f"{c[k][i] / of:.3f}" if of else "-"
 
             row = share("row", c["with_row"][i])
-            loss = " / ".join(f"{self.nll[k][i] / n:.3f}" for k in ("with", "empty", "gated")) if n else "-"
+            loss = " / ".join(f"{self.nll[k][i] / n:.3f}" for k in RUNS) if n else "-"
             part = f"{(self.nll['empty'][i] - self.nll['with'][i]) / gain:.3f}" if gain else "-"
             agrees = f"{share('slot', n)} | {row} | {share('recent', n)}"
             lines.append(f"| {name} | {n / total:.3f} | {agrees} | {loss} | {part} |")
-        mean = " / ".join(f"{sum(self.nll[k]) / total:.4f}" for k in ("with", "empty", "gated"))
+        mean = " / ".join(f"{sum(self.nll[k]) / total:.4f}" for k in RUNS)
         lines.append(f"| all | 1 | | | | {mean} | 1 |")
         return "\n".join(lines)
 

@@ -191,9 +191,9 @@ class SlotGroups:
             res = torch.bmm(w.view(e - s, P * H, Ls), z, out=rbuf[: e - s])
             mixed.index_copy_(0, at, res.view(-1, H, d))
         by_token = mixed[:-1].view(T, self.k, H, d)
-        if self.k == 1:  # the pairs are the tokens: no sum, and no copy where the dtypes agree
-            return by_token[:, 0].to(y.dtype)
-        out = by_token[:, 0].to(y.dtype, copy=True)
+        # the sum's own buffer where it adds more slots; with k = 1 the pairs are the tokens and
+        # ``mixed`` is returned as it is where the dtypes agree
+        out = by_token[:, 0].to(y.dtype, copy=self.k > 1)
         for p in range(1, self.k):
             out += by_token[:, p]
         return out
