@@ -129,6 +129,8 @@ def _table_rows() -> dict[str, list[str]]:
         "default": ["model=crtn"],
         "default_every_layer": ["model=crtn", "cache.layers=null"],
         "default_layers1": ["model=crtn", "cache.layers=1"],
+        # the lookup of the preceding tokens in the default's layers (docs/method.md §3)
+        "lookup": ["model=crtn", "query=lookup"],
     }
     crtns = {
         "crtn_original": ["model=crtn_original"],

@@ -61,7 +61,9 @@ class Measures:
             self.tokens[0].append(out.nll.float().cpu())
             self.tokens[1].append(batch.target.cpu())
         if out.selection is not None:
-            self.stats.update(out.selection.age, state.cache.seg_len, out.selection.alpha)
+            self.stats.update(
+                out.selection.age, state.cache.seg_len, out.selection.alpha, found=out.selection.found
+            )
             self.stats.update_layers(out.layer_selections, state.cache.seg_len)
         if self.recall is not None:
             self.recall.add(model, batch, out, state)

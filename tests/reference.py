@@ -365,6 +365,29 @@ class RowState:
     slots: list[Slot] = field(default_factory=list)
     r_prev: Tensor | None = None
     prev_tokens: Tensor | None = None
+    stream: list[int] = field(default_factory=list)  # every token of the stream so far (query=lookup)
+
+
+def naive_lookup(stream: list[int], p: int, slots: list[Slot], lengths: tuple[int, ...], shift: int):
+    """``query=lookup``'s row for the token at stream position p (docs/method.md §3, "Lookup of
+    the preceding tokens"), by brute force over every cached row: for the longest w in
+    ``lengths`` such that some cached row at position P has x_{P-shift-w+1..P-shift} =
+    x_{p-w+1..p} (all positions >= 0), the most recent such row, as (slot, row); None when no
+    length occurs."""
+    for w in sorted(lengths, reverse=True):
+        if p - w + 1 < 0:
+            continue
+        want = stream[p - w + 1 : p + 1]
+        best = None
+        for slot in slots:
+            for r in range(slot.states.shape[1]):
+                end = slot.pos + r - shift
+                if end - w + 1 >= 0 and stream[end - w + 1 : end + 1] == want:
+                    if best is None or slot.pos + r > best[0].pos + best[1]:
+                        best = (slot, r)
+        if best is not None:
+            return best
+    return None
 
 
 class NaiveCRTN:
@@ -481,7 +504,15 @@ class NaiveCRTN:
             r_cur = self._pass(tokens, st.mem, t0)[self.key_layer]
         selected: list[list[tuple[int, float]]] = [[] for _ in range(L)]
         retrieved = None
-        if st.slots and m.top_k > 0:
+        st.stream += tokens.tolist()
+        if st.slots and m.query.strategy == "lookup":
+            retrieved = []
+            for j in range(L):
+                hit = naive_lookup(st.stream, t0 + j, st.slots, m.match_lengths, m.summary.shift)
+                one = torch.ones((), dtype=r_cur.dtype)
+                retrieved.append([] if hit is None else [Retrieved(hit[0].states, one, hit[0].pos, hit[1])])
+                selected[j] = [] if hit is None else [(hit[0].pos, 1.0)]
+        elif st.slots and m.top_k > 0:
             queries = self._queries(tokens, r_cur, qmem, t0)
             retrieved = []
             k = min(m.top_k, len(st.slots))

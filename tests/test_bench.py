@@ -145,6 +145,7 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "default",
         "default_every_layer",
         "default_layers1",
+        "lookup",
         "crtn_original",
         "crtn_original_layers2",
         "crtn_original_layers1",

@@ -7,7 +7,8 @@ next-token distribution follows) reads the inputs up to j, so every prediction b
 changed position must stay exactly as it was, and so must every prediction of the other
 stream. The changed positions lie in the last segments, after the cache has filled and started
 to evict, so the retrieval (its query, the slots' keys and the selected values) is part of what
-is checked, for every query x summary pairing, selection inside attention and the exact n-gram
+is checked, for every query x summary pairing, selection inside attention, the lookup of the
+preceding tokens and the exact n-gram
 retrieval of the character-level results (cache.key_layer=0, cosine scores, one slot at full
 weight).
 """
@@ -35,6 +36,14 @@ OTHERS = {
     },
     "gate_layers_1": {"query.strategy": "gate", "summary.name": "token_max", "cache.layers": 1},
     "gate_ngram2": {"query.strategy": "gate", "summary.name": "token_max", "summary.ngram": 2},
+    "lookup": {
+        "query.strategy": "lookup",
+        "summary.name": "token_max",
+        "summary.ngram": 1,
+        "query.max_match": 3,
+        "cache.top_k": 1,
+        "cache.alpha_norm": "topk",
+    },
     "mem0": {"model.mem_len": 0},
     "alpha_original": {"cache.alpha_norm": "original"},
 }

@@ -41,9 +41,12 @@ ATOL = 1e-10  # float64: the same computation in another batch row may round dif
 PROFILE = dict(
     derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck), print_blob=False
 )
-#: every (query strategy, summary) pair of the registries, then the models without a cache
+#: every (query strategy, summary) pair of the registries, the lookup of the preceding tokens
+#: (which retrieves one row: k 1), then the models without a cache
+LOOKUP = {"query.strategy": "lookup", "summary.name": "token_max", "cache.top_k": 1}
 CASES = [{"model.name": "crtn", "query.strategy": q, "summary.name": s} for q, s in valid_pairs()] + [
-    {"model.name": name} for name in ("txl", "vanilla")
+    {"model.name": "crtn", **LOOKUP},
+    *({"model.name": name} for name in ("txl", "vanilla")),
 ]
 PER_CASE = 4  # sampled configurations per case
 PER_CASE_TOKEN_MAX = 12  # token_max has five options of its own (ngram, shift, d_key, cosine, shortlist)

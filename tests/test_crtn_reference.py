@@ -56,6 +56,7 @@ def run_both(
     atol: float = ATOL,
     grad_atol: float = GRAD_ATOL,
     naive: Callable = naive_run,
+    vocab: int = V,
     **overrides,
 ):
     """Run the model and the reference (``naive``: :func:`naive_run`) side by side; compare NLL and
@@ -63,7 +64,7 @@ def run_both(
     (each step back-propagated before the next, as in training; to ``grad_atol``)."""
     model = tiny_model(V, **{"model.name": "crtn", **overrides})
     L = model.tgt_len
-    tokens = torch.randint(0, V, (2, steps * L + 1))
+    tokens = torch.randint(0, vocab, (2, steps * L + 1))
     reference, g_ref = naive(model, tokens, steps, grad)
     params = [p for p in model.parameters() if p.requires_grad]
     g_model = [torch.zeros_like(p) for p in params]
@@ -81,12 +82,15 @@ def run_both(
             if out.selection is None:
                 assert all(not s for s in sel_ref)
                 continue
-            pos = (t * L - out.selection.age[b]).tolist()
-            alpha = out.selection.alpha[b].tolist()
-            for j in range(L):
-                assert pos[j] == [p for p, _ in sel_ref[j]], (t, b, j)
-                assert alpha[j] == pytest.approx([a for _, a in sel_ref[j]], abs=atol)
-                n_compared += 1
+            sel = out.selection
+            found = torch.ones_like(sel.age, dtype=torch.bool) if sel.found is None else sel.found
+            pos, alpha = (t * L - sel.age[b]).tolist(), sel.alpha[b].tolist()
+            for j in range(L):  # the slots a token reads (a lookup's without a match: none)
+                read = found[b, j].tolist()
+                assert [p for p, f in zip(pos[j], read) if f] == [p for p, _ in sel_ref[j]], (t, b, j)
+                got = [a for a, f in zip(alpha[j], read) if f]
+                assert got == pytest.approx([a for _, a in sel_ref[j]], abs=atol)
+                n_compared += len(sel_ref[j])
     assert n_compared > 0, "the cache was never used"
     if grad:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -132,6 +136,39 @@ def test_every_pair_has_the_reference_gradients(strategy, summary, pos, weighted
             **_d_key(strategy, summary),
         },
     )
+
+
+# query=lookup (one row per token, alpha 1): the n-gram lengths, the shift, positions, layers
+LOOKUP = {
+    "query.strategy": "lookup",
+    "summary.name": "token_max",
+    "cache.top_k": 1,
+    "cache.alpha_norm": "topk",
+    "model.tgt_len": 4,
+    "model.mem_len": 4,
+}
+LOOKUP_OPTIONS = {
+    "match_1_2": {"summary.ngram": 1, "query.max_match": 2},
+    "match_2_4_shift_0": {"summary.ngram": 2, "query.max_match": 4, "summary.shift": 0},
+    "match_1_3_real": {"summary.ngram": 1, "query.max_match": 3, "cache.pos": "real"},
+    "match_1_4_concat_every_layer": {
+        "summary.ngram": 1,
+        "query.max_match": 4,
+        "cache.pos": "concat",
+        "cache.layers": None,
+    },
+    "match_2_2_n_slot_2": {"summary.ngram": 2, "query.max_match": 2, "cache.n_slot": 2},
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
+@pytest.mark.parametrize("variant", list(LOOKUP_OPTIONS.values()), ids=list(LOOKUP_OPTIONS))
+def test_lookup_matches_naive_reference(variant, grad):
+    """The lookup's rows (the longest n-gram that occurred, its most recent occurrence, nothing
+    where none did) and the attention over them equal a brute-force search of every cached row
+    per token, in values and parameter gradients; 4 symbols make matches of every length."""
+    torch.manual_seed(0)
+    run_both(steps=8, grad=grad, vocab=4, **{**LOOKUP, **variant})
 
 
 def _d_key(strategy: str, summary: str) -> dict:

@@ -19,6 +19,7 @@ from crtn.data.mqar import AnswerSums, format_answers, gap_buckets, make_mqar, s
 from crtn.data.task import scored_tokens
 from crtn.errors import ConfigError
 from crtn.evaluate import evaluate, format_metrics
+from crtn.model.cache import Selection
 from crtn.model.crtn import dependency_range
 from crtn.objective import chunk_loss
 from crtn.train import main as train_main
@@ -283,6 +284,27 @@ def test_gate_answer_metrics_count_the_slots_of_every_retrieving_layer():
     assert 0 < ref["where"][2] < ref["where"][4] <= ref["where"][1]
 
 
+def _selection(age: torch.Tensor, found: torch.Tensor | None = None) -> Selection:
+    """A selection of the slots ``age`` [B, L, k] back (only ``age`` and ``found`` are read)."""
+    zero = torch.zeros_like(age)
+    return Selection(slot=zero, flat_index=zero, alpha=torch.ones(age.shape), age=age, found=found)
+
+
+def test_a_token_that_retrieves_nothing_retrieves_no_pair():
+    """A lookup's token without a match reports slot 0 with found False: the stored value that
+    slot holds is not counted as retrieved."""
+    corpus = SimpleNamespace(name="mqar", info={"gap_buckets": [[30, 59], [60, 80]], "n_values": 16})
+    cache = SimpleNamespace(pos=torch.tensor([[0, 3, 6, 9]]), n_valid=4, seg_len=3)
+    answer, src = torch.tensor([[True, True]]), torch.tensor([[1, 4]])  # in the slots at 0 and 3
+    age = 30 - torch.tensor([[[0], [3]]])
+    sums = AnswerSums(corpus, "cpu")
+    sums.has_cache = True
+    sums.locate(
+        answer, src, 30, mem_len=3, cache=cache, selection=_selection(age, torch.tensor([[[False], [True]]]))
+    )
+    assert sums.where.tolist() == [0, 2, 1, 2, 1]
+
+
 def test_pair_retrieved_any_layer_by_hand():
     """Two retrieving layers select apart: a stored value in a slot only the bottom layer
     retrieved counts in ``pair_retrieved_any_layer`` and not in ``pair_retrieved`` (the top
@@ -294,8 +316,8 @@ def test_pair_retrieved_any_layer_by_hand():
     answer = torch.tensor([[True, True, True, False]])
     src = torch.tensor([[1, 4, 10, 7]])  # stored values in the slots at 0, 3, 9 and 6
     # slot starts t0 - age; top (k = 1): 0, 9, 6, 6; bottom (k = 2): (6, 9), (3, 0), (0, 3), (6, 6)
-    top = SimpleNamespace(age=t0 - torch.tensor([[[0], [9], [6], [6]]]))
-    bottom = SimpleNamespace(age=t0 - torch.tensor([[[6, 9], [3, 0], [0, 3], [6, 6]]]))
+    top = _selection(t0 - torch.tensor([[[0], [9], [6], [6]]]))
+    bottom = _selection(t0 - torch.tensor([[[6, 9], [3, 0], [0, 3], [6, 6]]]))
     layered = AnswerSums(corpus, "cpu")
     layered.has_cache = True
     layered.locate(answer, src, t0, mem_len=3, cache=cache, selection=top, layer_selections=(bottom, top))

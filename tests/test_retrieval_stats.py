@@ -53,6 +53,18 @@ def test_layer_statistics_by_hand():
     assert len(s["layers"]) == 2 and s["layers"][1] == top_level
 
 
+def test_selections_a_token_does_not_read_count_no_distance():
+    """A lookup's tokens without a match (found False, alpha 0) add no distance; their alpha mass
+    of 0 is counted."""
+    stats = RetrievalStats()
+    age = torch.tensor([[[8], [4], [12]]])  # segments 2, 1, 3 back (Ls 4)
+    found = torch.tensor([[[True], [False], [True]]])
+    stats.update(age, 4, found.float(), found=found)
+    out = stats.summary()
+    assert out["distance_hist"] == [0, 0, 1, 1]
+    assert out["alpha_mass_mean"] == pytest.approx(2 / 3)
+
+
 def test_one_selection_for_every_layer_adds_no_layers():
     """Without a gate (no layer selections) or with one retrieving layer, ``layers`` is absent;
     a change in the number of retrieving layers is an error."""

@@ -42,12 +42,13 @@ SUMMARY_READERS = {
     "shift": {"token_max"},
     "cosine": {"token_max"},
 }
-#: every strategy reads every query option today (strategy, detach); a strategy-only option joins here
-QUERY_READERS: dict[str, set[str]] = {}
-#: summary options that query=gate leaves unused (it scores with each layer's projections)
+#: every strategy reads query.strategy and query.detach; the options of one strategy
+QUERY_READERS: dict[str, set[str]] = {"max_match": {"lookup"}}
+#: summary options that query=gate (it scores with each layer's projections) and query=lookup (it
+#: compares tokens) leave unused
 GATE_IGNORES = {"d_key", "cosine"}
 #: a value other than the default, valid for the classes that read it
-SAMPLE = {"d_key": 6, "ngram": 2, "shift": 0, "cosine": True}
+SAMPLE = {"d_key": 6, "ngram": 2, "shift": 0, "cosine": True, "max_match": 8}
 TEXT = {True: "true"}
 
 
@@ -58,8 +59,8 @@ def test_the_declarations_are_the_documented_readers():
         assert {n for n, c in STRATEGIES.items() if key in c.reads} == readers, key
     assert all({"strategy", "detach"} <= c.reads for c in STRATEGIES.values())
     assert all("name" in c.reads for c in SUMMARIES.values())
-    assert {n for n, c in STRATEGIES.items() if c.ignores_summary} == {"gate"}
-    assert STRATEGIES["gate"].ignores_summary == GATE_IGNORES
+    assert {n for n, c in STRATEGIES.items() if c.ignores_summary} == {"gate", "lookup"}
+    assert STRATEGIES["gate"].ignores_summary == STRATEGIES["lookup"].ignores_summary == GATE_IGNORES
 
 
 def test_every_declared_name_is_an_option_and_every_option_is_read():
@@ -92,7 +93,7 @@ def _expected(strategy: str, summary: str, group: str, key: str) -> str | None:
         verb = "reads" if len(readers) == 1 else "read"
         return f"summary.{key}={value} is ignored by summary={summary} (only {'|'.join(readers)} {verb} it)"
     if strategy == "gate" and key in GATE_IGNORES:
-        others = [q for q, s in valid_pairs() if s == summary and q != "gate"]
+        others = [q for q, s in valid_pairs() if s == summary and q != "gate"]  # lookup: not a pair
         verb = "reads" if len(others) == 1 else "read"
         return f"summary.{key}={value} is ignored by query=gate (with summary={summary}, only {'|'.join(others)} {verb} it)"
     return None

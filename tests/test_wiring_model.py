@@ -24,6 +24,7 @@ from tests.wiring import Ctx, Wire, build, run_wire, steps, tokens
 
 LAST_STATE = "summary.name=last_state"
 FAISS = ("cache.backend=faiss", "cache.alpha_norm=topk", LAST_STATE)
+LOOKUP = ("query.strategy=lookup", "summary.name=token_max", "cache.top_k=1", "cache.alpha_norm=topk")
 
 
 def layers_all(ctx: Ctx, test) -> None:
@@ -356,6 +357,14 @@ def check_detach(ctx: Ctx) -> None:
         assert alpha.requires_grad is not detached
 
 
+def check_max_match(ctx: Ctx) -> None:
+    """The lengths a lookup tries end at query.max_match, and the tokens it keeps before the
+    segment are the memory's and that many more."""
+    on, off = build(ctx.on), build(ctx.off)
+    assert (on.match_lengths, off.match_lengths) == ((4, 8), (4, 8, 16))
+    assert (on.history_len - on.mem_len, off.history_len - off.mem_len) == (8, 16)
+
+
 def check_summary_name(ctx: Ctx) -> None:
     assert isinstance(build(ctx.on).summary, Mean) and build(ctx.off).summary.name == "token_max"
 
@@ -429,6 +438,7 @@ MODEL_WIRING: dict[str, Wire] = {
     "query.strategy": Wire("last_l", check_strategy, extra=(LAST_STATE,)),
     # alpha below 1 (alpha_norm all): with an alpha of 1 the selection has no gradient to stop
     "query.detach": Wire(True, check_detach, extra=(LAST_STATE, "cache.alpha_norm=all")),
+    "query.max_match": Wire(8, check_max_match, extra=LOOKUP),
     "summary.name": Wire("mean", check_summary_name),
     "summary.d_key": Wire(6, check_d_key),
     "summary.ngram": Wire(2, check_ngram),

@@ -79,7 +79,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: ``crtn-bench``'s table rows, and more: ``default_all`` (the default with alpha below 1),
 #: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval in every
 #: layer), ``ngram8_layers2`` (the same in the default's two retrieving layers, keys at layer 0),
-#: ``default_n1024`` (the default with crtn-bench's large cache, ``bench.n_slot_large``) and
+#: ``default_n1024`` / ``lookup_n1024`` (the default and the lookup of the preceding tokens with
+#: crtn-bench's large cache, ``bench.n_slot_large``) and
 #: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
 #: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32) and
 #: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only) and
@@ -99,6 +100,7 @@ ROWS = {
     **BenchSpec().rows,
     "default_all": ["model=crtn", "cache.alpha_norm=all"],
     "default_n1024": ["model=crtn", f"cache.n_slot={BenchSpec().n_slot_large}"],
+    "lookup_n1024": ["model=crtn", "query=lookup", f"cache.n_slot={BenchSpec().n_slot_large}"],
     "default_concat": ["model=crtn", "cache.pos=concat"],
     "default_concat_n1024": ["model=crtn", "cache.pos=concat", f"cache.n_slot={BenchSpec().n_slot_large}"],
     "default_float32": ["model=crtn", "cache.dtype=float32"],

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from crtn.app_config import BenchSpec
 from crtn.config import spec_dict, train_config
 from crtn.model import ResolvedSpec, Spec, TransformerLM, build_model, resolve_spec
+from crtn.model.lookup import LookupIndex, ending_keys
 
 #: slots filled by real steps before a case's timing; a larger cache gets the rest of its slots
 #: as random states (:func:`fill_cache`: the cost of a step does not depend on what they hold)
@@ -195,6 +196,11 @@ def fill_cache(case: Case) -> None:
         stored = cache.values.view(cache.values.shape[0], B, n, L, -1)
         for i in range(n):
             cache.keys[:, i] = model.slot_key(stored[:, :, i].to(cache.keys.dtype))
+    if cache.index is not None:  # a lookup's keys of random tokens over the 256-token vocabulary
+        gen = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, 256, (B, n * L), generator=gen).to(cache.pos.device)
+        keys = ending_keys(tokens, model.match_lengths).view(-1, B, n, L)  # slot i of the ring: oldest first
+        cache.index = LookupIndex.of_slots(keys, torch.arange(n, device=tokens.device))
     if cache.backend == "faiss":
         cache._rebuild_faiss()
 

@@ -452,7 +452,7 @@ class AnswerSums:
             if selection is not None:
                 # selection is the top retrieving layer's, the last of layer_selections if any
                 held = torch.stack(
-                    [slots_hold(t0 - s.age, seg, src) for s in layer_selections or (selection,)]
+                    [slots_hold(s.starts(t0), seg, src) for s in layer_selections or (selection,)]
                 )
                 hit, any_hit = (held[-1] & answer).sum(), (held.any(0) & answer).sum()
         counts = [(in_memory & answer).sum(), cached, hit, answer.sum(), any_hit]

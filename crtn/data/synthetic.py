@@ -476,7 +476,7 @@ def source_location(
         cached = slots_hold(valid_pos, seg, src)
         where = {"src": src, "seg": seg, "root_all": root_all, "row_base": row_base}
         # out.selection is the top retrieving layer's, the last of out.layer_selections if any
-        layers = [_held(t0 - s.age, **where) for s in out.layer_selections or [out.selection]]
+        layers = [_held(s.starts(t0), **where) for s in out.layer_selections or [out.selection]]
         hit, same = layers[-1]
         any_hit = torch.stack([h for h, _ in layers]).any(0)
         any_same = torch.stack([m for _, m in layers]).any(0)

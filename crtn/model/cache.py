@@ -47,6 +47,7 @@ from torch import Tensor
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.faiss_index import FaissRows
+from crtn.model.lookup import LookupIndex
 from crtn.model.rowmatch import LeadIn
 from crtn.model.spec import CacheSpec
 from crtn.model.summary import Summary
@@ -148,6 +149,9 @@ class Selection:
             token of the selected segment (a multiple of Ls).
         row: [B, L, k] long, the row r* of each selected slot that attains its score (token_max's
             best match, 0..Ls-1; ``cache.pos=match``), or None where not asked for.
+        found: [B, L, k] bool, whether the token retrieves the slot at all (a lookup retrieves
+            nothing where no n-gram occurs: ``lookup.py``; its entries there are slot 0 at alpha
+            0), or None: every token retrieves its k slots.
     """
 
     slot: Tensor
@@ -155,6 +159,14 @@ class Selection:
     alpha: Tensor
     age: Tensor
     row: Tensor | None = None
+    found: Tensor | None = None
+
+    def starts(self, t0: int) -> Tensor:
+        """[B, L, k] long, the stream position of each selected slot's first token, ``t0 - age``
+        (``t0``: the current segment's first position), and -2^40, a position no slot holds,
+        where the token retrieves nothing (:attr:`found`)."""
+        pos = t0 - self.age
+        return pos if self.found is None else pos.masked_fill(~self.found, -(1 << 40))
 
 
 class SegmentCache:
@@ -193,6 +205,8 @@ class SegmentCache:
         )
         self.pos: Tensor | None = None  # [B, N] long, stream position of each slot's first token
         self.newest: Tensor | None = None  # [B] slot written last
+        # the rows' token keys, sorted, for query=lookup (lookup.py); None for the other strategies
+        self.index: LookupIndex | None = None
         self.n_insert = 0
         self._faiss: FaissRows | None = None
         self._pending: tuple | None = None
@@ -245,7 +259,7 @@ class SegmentCache:
         rows = torch.arange(self.batch_size, device=self.values.device) * self.n_slot + self.newest
         return self.values.index_select(1, rows)
 
-    def insert(self, states: Tensor, key: Tensor | None, pos: int) -> None:
+    def insert(self, states: Tensor, key: Tensor | None, pos: int, row_keys: Tensor | None = None) -> None:
         """Stage one new segment per row; it enters the cache at the next :meth:`commit`.
 
         Renewal writes the ring buffer in place. Deferring the write to the start of
@@ -259,15 +273,17 @@ class SegmentCache:
                 ``gate.py``), or None when the summary's key is a view of the top layer
                 (``summary.key_is_view``).
             pos: stream position of the segment's first token (the same in every row).
+            row_keys: [n_len, B, Ls] long, the token keys of its rows for ``query=lookup``
+                (:func:`crtn.model.lookup.ending_keys`), entered in :attr:`index`; else None.
         """
         self.commit()
-        self._pending = (states, key, pos)
+        self._pending = (states, key, pos, row_keys)
 
     def commit(self) -> None:
         """Write the staged segment (if any) into its slot, replacing the oldest (FIFO)."""
         if self._pending is None:
             return
-        states, key, pos = self._pending
+        states, key, pos, row_keys = self._pending
         self._pending = None
         n_layers, B, Ls, d = states.shape
         dev = states.device
@@ -292,6 +308,9 @@ class SegmentCache:
             self.keys[b, slot] = key.to(self.keys.dtype)
         self.pos[b, slot] = pos
         self.newest = slot
+        if row_keys is not None:
+            self.index = self.index or LookupIndex()
+            self.index.renew(row_keys, self.n_insert % self.n_slot, evict=self.n_insert >= self.n_slot)
         self.n_insert += 1
         if self.backend == "faiss":
             if self._faiss is None:
@@ -396,6 +415,17 @@ class SegmentCache:
         self.select_seconds += time.perf_counter() - t_start
         return self._chosen(slot, alpha, t0=t0, row=None if rows is None else rows.gather(-1, slot))
 
+    def at_rows(self, where: Tensor, found: Tensor, *, t0: int) -> Selection:
+        """The selection of one cached row per token, [B, L] long ``slot * Ls + row`` (a lookup's,
+        :meth:`crtn.model.lookup.LookupIndex.find`), where ``found`` [B, L] bool (elsewhere slot 0,
+        row 0), at alpha 1 where found and 0 elsewhere (:attr:`Selection.found`); ``t0`` the
+        current segment's first stream position."""
+        seg = self.seg_len
+        slot = where.div(seg, rounding_mode="floor")[..., None]
+        alpha = found[..., None].float()
+        chosen = self._chosen(slot, alpha, t0=t0, row=(where % seg)[..., None])
+        return replace(chosen, found=found[..., None])
+
     def _top(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k largest scores of [B, ..., n_valid] and their slots; equal scores go to the most
         recent slot (a stable sort over the slots ordered newest first), so a selection never
@@ -436,6 +466,7 @@ class SegmentCache:
             "keys": self.keys,
             "pos": self.pos,
             "newest": self.newest,
+            "lookup": None if self.index is None else self.index.state_dict(),
             "key_view": self.summary.name if self.summary.key_is_view and self.values is not None else None,
         }
 
@@ -449,6 +480,10 @@ class SegmentCache:
         self.n_insert = sd["n_insert"]
         self.values, self.keys, self.pos = sd["values"], sd["keys"], sd["pos"]
         self.newest = sd["newest"]
+        self.index = None
+        if sd.get("lookup") is not None:
+            self.index = LookupIndex()
+            self.index.load_state_dict(sd["lookup"])
         if self.values is not None and self.dtype is not None and self.values.dtype != self.dtype:
             self.values = self.values.to(self.dtype)
         self._faiss = None
@@ -473,4 +508,6 @@ class SegmentCache:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
+        if self.index is not None:
+            self.index.load_state_dict({k: v.to(device) for k, v in self.index.state_dict().items()})
         return self

@@ -33,8 +33,9 @@ from crtn.errors import ConfigError, check_choice
 from crtn.model.cache import SegmentCache, alpha_is_one, resolve_cache, torch_dtype
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import block_keys
+from crtn.model.lookup import match_lengths
 from crtn.model.query import STRATEGIES
-from crtn.model.retriever import IN_ATTENTION, QUERY_PASS, Found, Retriever, seg_len
+from crtn.model.retriever import IN_ATTENTION, LOOKUP, QUERY_PASS, Found, Retriever, seg_len
 from crtn.model.spec import CacheSpec, ModelSpec, Spec
 from crtn.model.summary import SUMMARIES
 from crtn.model.transformer import LMOutput, State, TransformerLM, tensor_nbytes, to_device
@@ -53,11 +54,15 @@ class CRTNState(State):
         cache: the key-value cache (``n_slot > 0`` and ``top_k > 0``), updated in place.
         r_prev: [B, L, d] query-pass top layer of the previous segment, or None.
         prev_tokens: [B, L] the previous segment's tokens, or None.
+        history: [B, H] long, the stream's last H = m + ``query.max_match`` tokens before the
+            segment (-1 before the stream's start), which ``query=lookup`` matches (``lookup.py``);
+            None for the other strategies.
     """
 
     cache: SegmentCache | None = None  # type: ignore[assignment]  # a field here, None in State
     r_prev: Tensor | None = None
     prev_tokens: Tensor | None = None
+    history: Tensor | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and counters needed to continue exactly (for checkpoints)."""
@@ -65,6 +70,7 @@ class CRTNState(State):
             **super().state_dict(),
             "r_prev": self.r_prev,
             "prev_tokens": self.prev_tokens,
+            "history": self.history,
             "cache": None if self.cache is None else self.cache.state_dict(),
         }
 
@@ -122,9 +128,15 @@ class CRTN(TransformerLM):
         self.product_dtype = torch_dtype(c.product_dtype)
         # R_prev is kept for the strategies that read it and for the summaries' query lead-in (a gate
         # takes its lead-in queries from each layer's memory)
-        self.needs_r_prev = not self.query.in_attention and (
+        self.needs_r_prev = not (self.query.in_attention or self.query.by_lookup) and (
             self.query.needs_r_prev or self.summary.query_lead_rows > 0
         )
+        # query=lookup: the n-gram lengths each token looks up and the tokens kept before the
+        # segment for them (lookup.py; CRTNState.history)
+        self.match_lengths = (
+            match_lengths(spec.summary.ngram, spec.query.max_match) if self.query.by_lookup else ()
+        )
+        self.history_len = self.mem_len + spec.query.max_match if self.query.by_lookup else 0
         # initialised after the Transformer-XL parameters, in registration order
         self.init_parameters(
             (n, p) for n, p in self.named_parameters() if n.split(".")[0] in ("summary", "query")
@@ -164,20 +176,35 @@ class CRTN(TransformerLM):
         check_choice("summary.name", spec.summary.name, SUMMARIES)
         summary_cls = SUMMARIES[spec.summary.name]
         strategy_cls = STRATEGIES[spec.query.strategy]
-        gate = strategy_cls.in_attention
+        gate, lookup = strategy_cls.in_attention, strategy_cls.by_lookup
         cache = resolve_cache(spec.cache, summary_cls, gate=gate)
         query = strategy_cls.resolve(spec.query, spec.summary.name)
         summary = summary_cls.resolve(spec.summary, m)
         strategy_cls.check_summary(summary)  # options of the summary the strategy leaves unused
-        if gate:
-            if cache.key_layer is not None:  # never filled for a gate: resolving again accepts None
+        if gate or lookup:
+            q = spec.query.strategy
+            if cache.key_layer is not None:  # never filled here: resolving again accepts None
                 raise ConfigError(
-                    f"cache.key_layer={cache.key_layer} applies to the query strategies, not query=gate "
-                    "(each retrieving layer selects with its own input; cache.layers chooses the layers)"
+                    f"cache.key_layer={cache.key_layer} applies to the query strategies that score states, not "
+                    f"query={q} (it selects without a key layer; cache.layers chooses the retrieving layers)"
                 )
             if cache.backend == "faiss":
-                raise ConfigError("cache.backend=faiss does not support query=gate (use cache.backend=torch)")
-        return replace(spec, cache=_resolve_layers(cache, m, gate=gate), query=query, summary=summary)
+                raise ConfigError(f"cache.backend=faiss does not support query={q} (use cache.backend=torch)")
+        if lookup and cache.top_k != 1:
+            raise ConfigError(
+                f"cache.top_k={cache.top_k}: query=lookup retrieves one row per token (set cache.top_k=1)"
+            )
+        if lookup and cache.alpha_norm == "all":
+            raise ConfigError(
+                "cache.alpha_norm=all is a softmax over scores query=lookup does not compute (its alpha is 1: use topk)"
+            )
+        if lookup and query.max_match < summary.ngram:
+            raise ConfigError(
+                f"query.max_match={query.max_match} must be >= summary.ngram={summary.ngram} (the shortest "
+                "n-gram query=lookup looks up)"
+            )
+        layers = _resolve_layers(cache, m, gate=gate or lookup)
+        return replace(spec, cache=layers, query=query, summary=summary)
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> CRTNState:
         """A fresh state (empty memory and cache) for ``batch_size`` streams; no cache when
@@ -199,9 +226,10 @@ class CRTN(TransformerLM):
     def load_state(self, sd: dict[str, Any], batch_size: int, device: torch.device | str) -> CRTNState:
         """Rebuild a :class:`CRTNState` from :meth:`CRTNState.state_dict` on ``device``."""
         state = super().load_state(sd, batch_size, device)
-        state.r_prev, state.prev_tokens = (
+        state.r_prev, state.prev_tokens, state.history = (
             to_device(sd.get("r_prev"), device),
             to_device(sd.get("prev_tokens"), device),
+            to_device(sd.get("history"), device),
         )
         if state.cache is not None and sd.get("cache") is not None:
             state.cache.load_state_dict(sd["cache"])
@@ -212,7 +240,10 @@ class CRTN(TransformerLM):
     @property
     def retriever(self) -> Retriever:
         """What selects the cached segments (``retriever.py``): selection inside attention for
-        ``query=gate``, else the query pass of the strategy."""
+        ``query=gate``, the lookup of the preceding tokens for ``query=lookup``, else the query
+        pass of the strategy."""
+        if self.query.by_lookup:
+            return LOOKUP
         return IN_ATTENTION if self.query.in_attention else QUERY_PASS
 
     def forward(
@@ -237,7 +268,7 @@ class CRTN(TransformerLM):
         hids, out = self._retrieving(tokens, state, kv=kv, below=below, found=found)
         nll = None if target is None else self.crit(out, target)
         if update:
-            state = self._renew(state, tokens, hids, kv=kv, r_cur=found.r_cur)
+            state = self._renew(state, tokens, hids, kv=kv, found=found)
         return LMOutput(
             nll, out, state, selection=found.reported(), layer_selections=found.layer_selections()
         )
@@ -269,12 +300,12 @@ class CRTN(TransformerLM):
         return (upper if below is None else below + upper[1:]), out
 
     def _renew(
-        self, state: CRTNState, tokens: Tensor, hids: list[Tensor], *, kv: StepKV, r_cur: Tensor | None
+        self, state: CRTNState, tokens: Tensor, hids: list[Tensor], *, kv: StepKV, found: Found
     ) -> CRTNState:
-        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot. Returns the
-        state after the segment (the cache renewed in place; ``r_cur``, the query pass's R_cur,
-        becomes R_prev)."""
-        cache = state.cache
+        """Step 5: [S; H_t]; the oldest L positions that leave S become a new slot (with a
+        lookup's keys of its rows). Returns the state after the segment (the cache renewed in
+        place; the query pass's R_cur, ``found.r_cur``, becomes R_prev)."""
+        cache, r_cur = state.cache, found.r_cur
         assert cache is not None
         L, seg = tokens.shape[1], seg_len(self, cache)
         cat, new_mem = self._append(state.mem, hids)
@@ -287,7 +318,12 @@ class CRTN(TransformerLM):
             if self.key_apart:
                 k = self.key_layer
                 slot_states = torch.cat([cat[k : k + 1, :, :over], slot_states])
-            cache.insert(slot_states, self.slot_key(slot_states), state.pos - (cat.shape[2] - L))
+            cache.insert(
+                slot_states,
+                self.slot_key(slot_states),
+                state.pos - (cat.shape[2] - L),
+                row_keys=self._row_keys(found.ends, first=self.history_len - (cat.shape[2] - L), seg=seg),
+            )
         return CRTNState(
             mem=new_mem,
             mem_kv=kv.next_memory(self.mem_len),
@@ -295,7 +331,28 @@ class CRTN(TransformerLM):
             cache=cache,
             r_prev=None if r_cur is None else r_cur.detach(),
             prev_tokens=tokens if L == seg else None,
+            history=None if found.ends is None else self.token_window(tokens, state)[:, L:],
         )
+
+    def token_window(self, tokens: Tensor, state: CRTNState) -> Tensor:
+        """[B, H + L] long: the H = :attr:`history_len` tokens before the segment (-1 before the
+        stream's start; ``CRTNState.history``) and the segment ``tokens`` [B, L] (``query=lookup``)."""
+        history = state.history
+        if history is None:
+            history = torch.full(
+                (tokens.shape[0], self.history_len), -1, dtype=torch.long, device=tokens.device
+            )
+        return torch.cat([history, tokens.long()], 1)
+
+    def _row_keys(self, ends: Tensor | None, *, first: int, seg: int) -> Tensor | None:
+        """A lookup's keys of the rows of the slot that starts at column ``first`` of
+        :meth:`token_window`: row r keyed by the n-grams ending ``summary.shift`` positions before
+        it (docs/method.md §3, "Lookup of the preceding tokens"), [n_len, B, seg]; None without a
+        lookup (``ends`` None)."""
+        if ends is None:
+            return None
+        start = first - self.summary.shift
+        return ends[..., start : start + seg]
 
     def slot_key(self, stored: Tensor) -> Tensor | None:
         """The key of a new slot from the states the cache stores of it, [n_stored, B, Ls, d]

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from crtn.errors import ConfigError, check_choice
 from crtn.model.spec import ModelSpec, QuerySpec, SummarySpec, first_unread, only_readers
-from crtn.model.summary import GATE, SUMMARIES, TOKEN, WINDOW, Summary
+from crtn.model.summary import GATE, LOOKUP, SUMMARIES, TOKEN, WINDOW, Summary
 
 # core(tokens [B', L'], mem [n+1, B', M, d] | None, extra_mask [B', 1, 1, M+L'] | None) -> top layer [B', L', d]
 CoreFn = Callable[..., Tensor]  # (tokens, mem, extra_mask[, mem_kv]) -> top layer
@@ -183,6 +183,7 @@ class QueryStrategy(nn.Module):
     needs_prev_states: bool = False
     length_bound: bool = False
     in_attention: bool = False  # selects inside each retrieving layer's attention (no queries here)
+    by_lookup: bool = False  # selects by a lookup of the preceding tokens (no queries here)
     #: the QuerySpec fields this strategy reads; any other set to a non-default value is refused
     reads: frozenset[str] = frozenset({"strategy", "detach"})
     #: SummarySpec fields its summary reads that this strategy leaves unused (refused when set)
@@ -384,10 +385,42 @@ class Gate(QueryStrategy):
         raise ValueError("query=gate selects inside attention (crtn/model/gate.py): it builds no queries")
 
 
+class Lookup(QueryStrategy):
+    """Selection by an exact lookup of the preceding tokens (``crtn/model/lookup.py``; docs/method.md
+    §3, "Lookup of the preceding tokens"): token j's query is the tokens that end at it, matched
+    against the tokens before each cached row as token_max's n-gram match (``summary.ngram``,
+    the shortest length looked up; ``summary.shift``) matches states, at the lengths up to
+    ``query.max_match``. No query pass and no learned weights; the CRTN step's
+    :class:`crtn.model.retriever.Lookup` selects."""
+
+    strategy, kind, needs_query_pass, by_lookup = "lookup", LOOKUP, False, True
+    reads = QueryStrategy.reads | {"max_match"}
+    ignores_summary = frozenset({"d_key", "cosine"})  # tokens are compared, not states
+
+    @classmethod
+    def resolve(cls, spec: QuerySpec, summary: str) -> QuerySpec:
+        """The base checks, then ``query.max_match`` at least 1 (the lengths below it start at
+        ``summary.ngram``: :meth:`crtn.model.crtn.CRTN.resolve` compares the two).
+
+        Raises:
+            ConfigError: as :meth:`QueryStrategy.resolve`; ``query.max_match`` below 1, or
+                ``query.detach`` set (nothing is learned to detach).
+        """
+        spec = super().resolve(spec, summary)
+        if spec.max_match < 1:
+            raise ConfigError(f"query.max_match={spec.max_match} must be >= 1")
+        if spec.detach:
+            raise ConfigError("query.detach=true is ignored by query=lookup (its selection learns nothing)")
+        return spec
+
+    def forward(self, summary: Summary, x: QueryInputs) -> Tensor:
+        raise ValueError("query=lookup selects by the tokens (crtn/model/lookup.py): it builds no queries")
+
+
 #: every query strategy by its config name, in the order of docs/method.md §3
 STRATEGIES: dict[str, type[QueryStrategy]] = {
     cls.strategy: cls
-    for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear, Gate)
+    for cls in (FixedLength1, FixedLength2, LastL, MiddleL, Linear, Token, SingleLinear, Gate, Lookup)
 }
 
 
@@ -399,8 +432,11 @@ def valid_summaries(strategy: str) -> tuple[str, ...]:
 
 
 def valid_pairs() -> list[tuple[str, str]]:
-    """Every valid (query strategy, summary) pair, strategies in the order of :data:`STRATEGIES`."""
-    return [(q, s) for q in STRATEGIES for s in valid_summaries(q)]
+    """Every valid (query strategy, summary) pair of the strategies that score the slots, in the
+    order of :data:`STRATEGIES`: the axis of the query ablation (``+experiment=ablation_query``,
+    whose k and alpha over all slots a lookup does not have). ``query=lookup`` compares tokens and
+    pairs with token_max alone (:func:`valid_summaries`)."""
+    return [(q, s) for q, c in STRATEGIES.items() if not c.by_lookup for s in valid_summaries(q)]
 
 
 def make_query(strategy: str, seg_len: int, d_model: int = 0, d_key: int = 0) -> QueryStrategy:

@@ -42,11 +42,18 @@ class RetrievalStats:
         self.mass_max = 1.0
         self.layers: list[RetrievalStats] = []  # one per retrieving layer, bottom first
 
-    def update(self, age: Tensor, seg_len: int, alpha: Tensor | None = None) -> None:
-        """Count one step's selections: age [B, L, k] in tokens; alpha [B, L, k] their weights."""
+    def update(
+        self, age: Tensor, seg_len: int, alpha: Tensor | None = None, found: Tensor | None = None
+    ) -> None:
+        """Count one step's selections: age [B, L, k] in tokens; alpha [B, L, k] their weights;
+        found [B, L, k] bool, the selections a token reads (a lookup's tokens without a match
+        read none: ``Selection.found``; their alpha is 0), or None: all. Distances are counted
+        for the selections read."""
         if alpha is not None:
             self._update_alpha(alpha.detach().float())
         seg = (age // seg_len).reshape(-1)
+        if found is not None:
+            seg = seg[found.reshape(-1)]
         counts = torch.bincount(seg, minlength=1)
         if self.hist is None:
             self.hist = counts

@@ -70,6 +70,10 @@ class CacheContext:
         folded: [B, L, H, d] the layer's folded queries W_{k,E}^T (q + u) where its gate's
             selection computed them with their gradient (:meth:`crtn.model.gate.Gate.select`), so
             that a layer folds its queries once; None: :func:`attend_with_cache` folds them.
+        retrieves: [B, L] bool, the tokens that read their retrieved rows (a lookup's, which
+            retrieves nothing where no n-gram occurred: ``lookup.py``); the others' rows are
+            masked out of the softmax, so they attend to the memory and segment alone, as with
+            an empty cache. None: every token reads them.
     """
 
     values: Tensor
@@ -83,6 +87,7 @@ class CacheContext:
     groups: SlotGroups | TokenRows | None = None
     product_dtype: torch.dtype | None = None
     folded: Tensor | None = None
+    retrieves: Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -152,6 +157,8 @@ def attend_with_cache(
     ac_c = ac_c.view(B, L, H, C).transpose(1, 2)
     bd_c = bd_cache if positions is None else positions.bd(rr_q, attn.r_net.weight, concat=bd_cache)
     score_c = ac_c + bd_c
+    if cache.retrieves is not None:
+        score_c = score_c.masked_fill(~cache.retrieves[:, None, :, None], float("-inf"))
     prob = torch.softmax(torch.cat([score_c, score], -1) * attn.scale, dim=-1)
     prob = attn.dropatt(prob)
     prob_c, prob_m = prob.split([C, score.shape[-1]], dim=-1)

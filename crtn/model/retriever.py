@@ -2,12 +2,13 @@
 
 A step (``crtn.py``) runs the layers below retrieval, asks a :class:`Retriever` what the
 retrieving layers read, runs them over [selected segments; memory; current segment], and renews
-the cache. Two retrievers serve every query strategy:
+the cache. Three retrievers serve the query strategies:
 
 | retriever      | ``query=``                   | selects                                                  |
 |----------------|------------------------------|----------------------------------------------------------|
 | :class:`QueryPass`    | every strategy but ``gate`` | once per step, before the retrieving layers: the query pass (R_cur), the strategy's queries, top-k of the cache (§3 steps 1-2) |
 | :class:`InAttention`  | ``gate``                    | inside each retrieving layer, with its own attention queries (§3, "Selection inside attention"; ``gate.py``) |
+| :class:`Lookup`       | ``lookup``                  | once per step, by the tokens: the row after the most recent occurrence of the longest n-gram ending at each token (§3, "Lookup of the preceding tokens"; ``lookup.py``) |
 
 Either hands the layers a :class:`Found`: the :class:`crtn.model.retrieved.CacheContext` the
 attention reads (None while the cache is empty) and, for ``cache.pos=real`` or ``match``, the
@@ -25,6 +26,7 @@ from torch import Tensor
 from crtn.model.cache import SegmentCache, Selection
 from crtn.model.evalkv import StepKV
 from crtn.model.gate import Gate
+from crtn.model.lookup import NO_QUERY, NO_ROW, ending_keys, longest
 from crtn.model.query import QueryInputs
 from crtn.model.retrieved import CacheContext, MatchPositions, RealPositions, RetrievedPositions
 
@@ -40,14 +42,18 @@ class Found:
         context: the cache rows the retrieving layers read (None: nothing to read this step).
         positions: position terms of those rows for ``cache.pos=real`` or ``match``, else None.
         r_cur: [B, L, d] the query pass's R_cur, carried to the next step as R_prev, or None.
-        selection: the query pass's selection [B, L, k], or None (a gate's is read from
-            :attr:`context` once the layers ran: :meth:`reported`).
+        selection: the query pass's or the lookup's selection [B, L, k], or None (a gate's is
+            read from :attr:`context` once the layers ran: :meth:`reported`).
+        ends: [n_len, B, H + L] long, a lookup's keys of the n-grams ending at every position of
+            the stream's last H tokens and the segment (:func:`crtn.model.lookup.ending_keys`),
+            from which the renewal keys the new slot's rows; None for the other retrievers.
     """
 
     context: CacheContext | None = None
     positions: RetrievedPositions | None = None
     r_cur: Tensor | None = None
     selection: Selection | None = None
+    ends: Tensor | None = None
 
     def reported(self) -> Selection | None:
         """The step's selection for ``LMOutput.selection``: the query pass's, or the top retrieving
@@ -243,8 +249,44 @@ class InAttention:
         return Found(context, positions)
 
 
-#: the two retrievers, stateless (the step passes the model)
-QUERY_PASS, IN_ATTENTION = QueryPass(), InAttention()
+class Lookup:
+    """Selection by an exact lookup of the preceding tokens (``query=lookup``; docs/method.md §3,
+    "Lookup of the preceding tokens"; ``lookup.py``): the keys of the n-grams ending at each token
+    (of every length :func:`crtn.model.lookup.match_lengths` gives) are looked up in the cache's
+    :class:`crtn.model.lookup.LookupIndex`; each token retrieves the slot holding the row after
+    the most recent occurrence of its longest match, that row its best row (``cache.pos=match``),
+    at alpha 1, and nothing where no length occurs. No query pass, no gradient."""
+
+    def find(
+        self, model: CRTN, tokens: Tensor, state: CRTNState, *, below: list[Tensor] | None, kv: StepKV
+    ) -> Found:
+        cache = state.cache
+        assert cache is not None
+        ends = ending_keys(model.token_window(tokens, state), model.match_lengths)
+        if cache.n_valid == 0:
+            return Found(ends=ends)
+        assert cache.index is not None
+        L = tokens.shape[1]
+        queries = ends[..., ends.shape[-1] - L :]
+        hit, where = cache.index.find(queries.masked_fill(queries == NO_ROW, NO_QUERY))
+        found, where, _ = longest(hit, where)
+        selection = cache.at_rows(where, found, t0=state.pos)
+        context = CacheContext(
+            cache.values,
+            selection.flat_index,
+            selection.alpha,
+            weighted=False,
+            age=selection.age,
+            first_layer=model.value_base,
+            product_dtype=model.product_dtype,
+            retrieves=found,
+        )
+        positions = _positions(model, selection, seg=cache.seg_len, q_len=L)
+        return Found(context, positions, selection=selection, ends=ends)
+
+
+#: the three retrievers, stateless (the step passes the model)
+QUERY_PASS, IN_ATTENTION, LOOKUP = QueryPass(), InAttention(), Lookup()
 
 
 def _query_memory(model: CRTN, state: CRTNState, L: int) -> Tensor | None:

@@ -121,6 +121,9 @@ class QuerySpec:
 
     strategy: str = "token"  # crtn.model.STRATEGIES; gate: selection inside attention (no query pass)
     detach: bool = False  # stop gradients from the retrieval weights into the query pass (gate: the query)
+    # lookup: the longest n-gram a token looks up (crtn/model/lookup.py: summary.ngram, twice it, ...
+    # below this, and this)
+    max_match: int = 16
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from crtn.errors import ConfigError, check_choice
 from crtn.model.rowmatch import LeadIn, ngram_row_scores
 from crtn.model.spec import ModelSpec, SummarySpec, first_unread, only_readers
 
-WINDOW, TOKEN, GATE = "window", "token", "gate"
+WINDOW, TOKEN, GATE, LOOKUP = "window", "token", "gate", "lookup"
 
 
 class Summary(nn.Module):
@@ -426,7 +426,7 @@ class TokenMax(Summary):
         cosine: cosine scores.
     """
 
-    name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE), True, True
+    name, kinds, key_is_view, row_keys = "token_max", (TOKEN, GATE, LOOKUP), True, True
     #: what a checkpoint saved before ``summary.ngram``/``summary.shift`` existed was trained with
     LEGACY = {"ngram": 1, "shift": 0}
     reads = Summary.reads | {"d_key", "ngram", "shift", "cosine"}
