@@ -94,10 +94,24 @@ def _root(gaps: list[int], i: int) -> int:
     return i
 
 
+#: the lookup of the preceding tokens, whose tokens without a match retrieve nothing
+LOOKUP = {
+    "query.strategy": "lookup",
+    "summary.name": "token_max",
+    "summary.ngram": 1,
+    "query.max_match": 3,
+    "cache.top_k": 1,
+    "cache.alpha_norm": "topk",
+}
+
+
+@pytest.mark.parametrize("options", [{}, LOOKUP], ids=["default", "lookup"])
 @pytest.mark.parametrize("mem_len", [3, 6])
-def test_recall_metrics_match_a_token_by_token_count(mem_len):
+def test_recall_metrics_match_a_token_by_token_count(mem_len, options):
     torch.manual_seed(0)
-    model = tiny_model(V, **{"model.name": "crtn", "model.mem_len": mem_len, "cache.n_slot": N_SLOT})
+    model = tiny_model(
+        V, **{"model.name": "crtn", "model.mem_len": mem_len, "cache.n_slot": N_SLOT, **options}
+    )
     corpus, kinds = _corpus(mem_len)
     got = evaluate(model, corpus, "valid", batch_size=B, device="cpu")["repeat"]
 
@@ -150,8 +164,14 @@ def test_recall_metrics_match_a_token_by_token_count(mem_len):
         assert k["cache"] == k["n"] > 0 and k["memory"] == 0, kind
     k = by_kind["evicted_last"]
     assert k["n"] > 0 and k["memory"] == k["cache"] == k["retrieved"] == 0
-    assert 0 < by_kind["oldest_slot_first"]["retrieved"] < by_kind["oldest_slot_first"]["n"]
-    assert 0 < counts["retrieved"] < counts["copy"]  # other copies of the text found too
+    if not options:
+        assert 0 < by_kind["oldest_slot_first"]["retrieved"] < by_kind["oldest_slot_first"]["n"]
+        assert 0 < counts["retrieved"] < counts["copy"]  # other copies of the text found too
+    else:  # some sources retrieved, some cached sources not (no match: nothing retrieved)
+        cached = sum(
+            by_kind[k]["cache"] for k in ("newest_slot_last", "newest_slot_first", "oldest_slot_first")
+        )
+        assert 0 < counts["retrieved"] < cached
 
     n_rep = counts["repeat"]
     assert got["tokens"] == n_rep

@@ -494,13 +494,15 @@ def _held(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether the slots starting at stream positions ``pos`` [B, L, k] hold each target's source
     ``src`` [B, L] (the hit), and whether a row of theirs holds the same text (the source's copy
-    root, :func:`copy_roots`): two [B, L] bool."""
+    root, :func:`copy_roots`): two [B, L] bool. A position below 0 is no slot (a token that
+    retrieved nothing: :meth:`crtn.model.cache.Selection.starts`) and holds nothing."""
     hit = slots_hold(pos, seg, src)
     flat_src = row_base + src  # [B, L]; < 0 only before the first stream's start
     want = root_all[flat_src.clamp(min=0)]
     rows = (row_base[..., None, None] + pos[..., None] + torch.arange(seg, device=pos.device)).clamp(
-        max=root_all.numel() - 1
+        min=0, max=root_all.numel() - 1
     )  # [B, L, k, seg] split index of each row of the selected slots
     # a direct hit is one of these: the source row has the source's root
-    same = (root_all[rows] == want[..., None, None]).flatten(-2).any(-1) & (flat_src >= 0)
+    held = (root_all[rows] == want[..., None, None]) & (pos >= 0)[..., None]
+    same = held.flatten(-2).any(-1) & (flat_src >= 0)
     return hit, same
