@@ -17,7 +17,7 @@ import torch
 
 from crtn.errors import ConfigError
 from crtn.model import valid_pairs
-from tests.helpers import tiny_model
+from tests.helpers import tiny_model, tiny_spec
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate
 
@@ -152,7 +152,6 @@ NEW_OPTIONS = {
     "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
     "key_layer_1": {"cache.key_layer": 1, "summary.name": "token_max", "summary.d_key": 6},
     "key_layer_0_window": {"cache.key_layer": 0, "query.strategy": "middle_l", "summary.name": "mean"},
-    "ngram_3": {"summary.name": "token_max", "summary.ngram": 3},
     "ngram_1": {"summary.name": "token_max", "summary.ngram": 1},
     "ngram_2_proj_real": {
         "summary.name": "token_max",
@@ -160,15 +159,7 @@ NEW_OPTIONS = {
         "summary.d_key": 6,
         "cache.pos": "real",
     },
-    "ngram_3_single_linear": {
-        "query.strategy": "single_linear",
-        "summary.name": "token_max",
-        "summary.ngram": 3,
-    },
-    "ngram_3_n_slot_3": {"summary.name": "token_max", "summary.ngram": 3, "cache.n_slot": 3},
     "ngram_2_layers_1": {"summary.name": "token_max", "summary.ngram": 2, "cache.layers": 1},
-    "shift_1_ngram_3": {"summary.name": "token_max", "summary.ngram": 3, "summary.shift": 1},
-    "shift_1_ngram_1": {"summary.name": "token_max", "summary.ngram": 1, "summary.shift": 1},
     "shift_1_ngram_2_proj": {
         "summary.name": "token_max",
         "summary.ngram": 2,
@@ -221,7 +212,8 @@ NEW_OPTIONS = {
         "cache.pos": "real",
     },
     # model=crtn's own cache (crtn/model/spec.py CacheSpec): one slot at alpha 1, read by the top
-    # two of three layers, with its query and summary (token / token_max)
+    # two of three layers, with its query and summary (token / token_max), positions at the
+    # best-matching row (cache.pos=match, the default: NEW_OPTION_ALIASES "match_default_cache")
     "crtn_default_cache": {
         "model.n_layer": 3,
         "cache.layers": 2,
@@ -231,18 +223,9 @@ NEW_OPTIONS = {
         "summary.name": "token_max",
     },
     # positions aligned on each selected slot's best-matching row (cache.pos=match): alpha over
-    # every slot (the row match's gradient path), at alpha 1 in crtn's default layers, a single-row
-    # match with learned maps, and distances clamped with a pair of biases per layer
+    # every slot (the row match's gradient path), at alpha 1 in crtn's default layers
+    # ("crtn_default_cache" above), a single-row match with learned maps, and distances clamped with a pair of biases per layer
     "match_ngram2": {"summary.name": "token_max", "summary.ngram": 2, "cache.pos": "match"},
-    "match_default_cache": {
-        "model.n_layer": 3,
-        "cache.layers": 2,
-        "cache.top_k": 1,
-        "cache.alpha_norm": "topk",
-        "summary.name": "token_max",
-        "summary.ngram": 3,
-        "cache.pos": "match",
-    },
     "match_ngram1_shift0_proj": {
         "summary.name": "token_max",
         "summary.ngram": 1,
@@ -258,6 +241,45 @@ NEW_OPTIONS = {
         "model.pre_lnorm": True,
     },
 }
+
+#: Options spelled otherwise that resolve to the spec of an entry of NEW_OPTIONS (the schema's
+#: defaults: token_max matches 3-grams shifted by 1 at cache.pos=match): the same model, weights and
+#: tokens, so the same run; test_option_aliases_resolve_to_the_same_spec holds them to it.
+NEW_OPTION_ALIASES = {
+    "ngram_3": ("token_max_plain", {"summary.name": "token_max", "summary.ngram": 3}),
+    "ngram_3_n_slot_3": (
+        "token_max_plain",
+        {"summary.name": "token_max", "summary.ngram": 3, "cache.n_slot": 3},
+    ),
+    "shift_1_ngram_3": (
+        "token_max_plain",
+        {"summary.name": "token_max", "summary.ngram": 3, "summary.shift": 1},
+    ),
+    "ngram_3_single_linear": (
+        "single_linear_token_max",
+        {"query.strategy": "single_linear", "summary.name": "token_max", "summary.ngram": 3},
+    ),
+    "shift_1_ngram_1": ("ngram_1", {"summary.name": "token_max", "summary.ngram": 1, "summary.shift": 1}),
+    "match_default_cache": (
+        "crtn_default_cache",
+        {
+            "model.n_layer": 3,
+            "cache.layers": 2,
+            "cache.top_k": 1,
+            "cache.alpha_norm": "topk",
+            "summary.name": "token_max",
+            "summary.ngram": 3,
+            "cache.pos": "match",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("alias", list(NEW_OPTION_ALIASES))
+def test_option_aliases_resolve_to_the_same_spec(alias):
+    name, overrides = NEW_OPTION_ALIASES[alias]
+    spec = tiny_spec(**{"model.name": "crtn", **overrides})
+    assert spec == tiny_spec(**{"model.name": "crtn", **NEW_OPTIONS[name]})
 
 
 #: selection inside attention (query=gate), against tests/reference_gate.py
@@ -402,24 +424,45 @@ LAYER_KEYS = [
     (None, 2),
     (None, 3),
 ]
+#: pairings that resolve to the spec of another (key layer null: the first retrieving layer's
+#: input; cache.layers null: all 3), so the same model, weights and tokens, the same run:
+#: test_layer_key_aliases_resolve_to_the_same_spec holds them to it
+LAYER_KEY_ALIASES = {
+    (2, 1): (2, None),
+    (3, 3): (3, None),
+    (None, 3): (3, None),
+    (None, 0): (3, 0),
+    (None, 1): (3, 1),
+    (None, 2): (3, 2),
+}
+LAYER_KEYS_RUN = [pair for pair in LAYER_KEYS if pair not in LAYER_KEY_ALIASES]
+
+
+def _layers(layers: int | None, key_layer: int | None, summary: str) -> dict:
+    return {"model.n_layer": 3, "cache.layers": layers, "cache.key_layer": key_layer, "summary.name": summary}
+
+
+def _stored(layers: int | None, key_layer: int | None) -> int:
+    """Slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs,
+    after the key layer's where it lies below them."""
+    return 4 if layers in (None, 3) else layers + (key_layer is not None and key_layer < 3 - layers)
 
 
 @pytest.mark.parametrize("summary", ["last_state", "token_max"])
-@pytest.mark.parametrize("layers,key_layer", LAYER_KEYS, ids=[f"layers_{a}-key_{b}" for a, b in LAYER_KEYS])
+def test_layer_key_aliases_resolve_to_the_same_spec(summary):
+    for (layers, key_layer), (same_layers, same_key) in LAYER_KEY_ALIASES.items():
+        assert tiny_spec(**{"model.name": "crtn", **_layers(layers, key_layer, summary)}) == tiny_spec(
+            **{"model.name": "crtn", **_layers(same_layers, same_key, summary)}
+        ), (layers, key_layer)
+        assert _stored(layers, key_layer) == _stored(same_layers, same_key)
+
+
+@pytest.mark.parametrize("summary", ["last_state", "token_max"])
+@pytest.mark.parametrize(
+    "layers,key_layer", LAYER_KEYS_RUN, ids=[f"layers_{a}-key_{b}" for a, b in LAYER_KEYS_RUN]
+)
 def test_cache_layers_and_key_layer_of_three_layers_match_naive_reference(layers, key_layer, summary):
     """Values and parameter gradients against the naive reference, which reads the key layer and
     the first retrieving layer from the config on its own (tests/reference.py NaiveCRTN)."""
-    model, state = run_both(
-        steps=6,
-        grad=True,
-        **{
-            "model.n_layer": 3,
-            "cache.layers": layers,
-            "cache.key_layer": key_layer,
-            "summary.name": summary,
-        },
-    )
-    # slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs,
-    # after the key layer's where it lies below them
-    stored = 4 if layers in (None, 3) else layers + (key_layer is not None and key_layer < 3 - layers)
-    assert state.cache.values.shape[0] == stored
+    model, state = run_both(steps=6, grad=True, **_layers(layers, key_layer, summary))
+    assert state.cache.values.shape[0] == _stored(layers, key_layer)
