@@ -9,6 +9,7 @@ positions and alpha) must agree, in float64.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable
 
@@ -17,37 +18,61 @@ import torch
 
 from crtn.errors import ConfigError
 from crtn.model import valid_pairs
-from tests.helpers import tiny_model, tiny_spec
+from tests.helpers import once_per_run, tiny_model, tiny_spec
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate
 
 V = 11
 STEPS = 7
+PAIR_GRAD_STEPS = 5  # the gradients of test_every_pair_has_the_reference_gradients
 ATOL = 1e-9  # docs/method.md §3 asks for 1e-5; float64 agreement is far tighter
 GRAD_ATOL = 1e-8  # parameter gradients, float64
 
 
-def naive_run(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple[list, list[torch.Tensor]]:
+def naive_run(model, tokens: torch.Tensor, steps: int, grad: bool | int) -> tuple[list, list[torch.Tensor]]:
     """The naive reference of ``model``'s weights and config over ``tokens`` [B, steps * L + 1], each
     stream on its own: per step and stream (NLL, selections), and with ``grad`` the parameter
-    gradients of the summed NLL (each step back-propagated before the next, as in training)."""
+    gradients of the summed NLL (each step back-propagated before the next, as in training);
+    ``grad`` a number of steps (not a bool): the gradients of the first ``grad`` steps only."""
     L = model.tgt_len
     naive = NaiveGate if model.query.in_attention else NaiveCRTN  # selection inside attention
     refs = [naive(model) for _ in range(tokens.shape[0])]
     params = [p for p in model.parameters() if p.requires_grad]
     g_ref = [torch.zeros_like(p) for p in params]
     per_step = []
+    n_grad = steps if grad is True else int(grad)
     for t in range(steps):
         x, y = tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
         outs = []
         for b, ref in enumerate(refs):
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(t < n_grad):
                 nll_ref, sel_ref = ref.step(x[b], y[b], t * L)
-                if grad:
+                if t < n_grad:
                     _accumulate(g_ref, nll_ref.sum(), params)
             outs.append((nll_ref.detach(), sel_ref))
         per_step.append(outs)
     return per_step, g_ref
+
+
+def shared_naive(horizon: int, grad_steps: int) -> Callable:
+    """A ``naive`` for :func:`run_both` whose reference covers ``horizon`` steps, back-propagated
+    over the first ``grad_steps`` (:func:`naive_run`), computed once per model config, weights and
+    tokens in a test session: the values test of a variant (``horizon`` steps, no gradient) and its
+    gradients test (``grad_steps`` steps) compare against one reference run, which computes the
+    same values with or without autograd (:func:`tests.helpers.once_per_run`: the two tests of a
+    variant may land on either pytest-xdist worker)."""
+
+    def naive(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple[list, list[torch.Tensor]]:
+        assert steps == (grad_steps if grad else horizon), (steps, grad)
+        assert tokens.shape[1] == horizon * model.tgt_len + 1
+        key = hashlib.sha256(repr((model.spec, horizon, grad_steps)).encode())
+        for p in model.state_dict().values():
+            key.update(p.detach().numpy().tobytes())
+        key.update(tokens.numpy().tobytes())
+        per_step, g_ref = once_per_run(key.hexdigest(), lambda: naive_run(model, tokens, horizon, grad_steps))
+        return per_step[:steps], g_ref
+
+    return naive
 
 
 def run_both(
@@ -56,14 +81,16 @@ def run_both(
     atol: float = ATOL,
     grad_atol: float = GRAD_ATOL,
     naive: Callable = naive_run,
+    horizon: int | None = None,
     **overrides,
 ):
     """Run the model and the reference (``naive``: :func:`naive_run`) side by side; compare NLL and
     selections per step (to ``atol``), and with ``grad`` the parameter gradients of the summed NLL
-    (each step back-propagated before the next, as in training; to ``grad_atol``)."""
+    (each step back-propagated before the next, as in training; to ``grad_atol``). The tokens
+    cover ``horizon`` steps (default ``steps``), of which the first ``steps`` are run."""
     model = tiny_model(V, **{"model.name": "crtn", **overrides})
     L = model.tgt_len
-    tokens = torch.randint(0, V, (2, steps * L + 1))
+    tokens = torch.randint(0, V, (2, (horizon or steps) * L + 1))
     reference, g_ref = naive(model, tokens, steps, grad)
     params = [p for p in model.parameters() if p.requires_grad]
     g_model = [torch.zeros_like(p) for p in params]
@@ -108,13 +135,15 @@ PAIRS = valid_pairs()
 @pytest.mark.parametrize("strategy,summary", PAIRS, ids=[f"{q}-{s}" for q, s in PAIRS])
 def test_every_pair_matches_naive_reference(strategy, summary, pos, weighted):
     run_both(
+        horizon=STEPS,
+        naive=shared_naive(STEPS, PAIR_GRAD_STEPS),
         **{
             "query.strategy": strategy,
             "summary.name": summary,
             "cache.pos": pos,
             "cache.weighted": weighted,
             **_d_key(strategy, summary),
-        }
+        },
     )
 
 
@@ -122,8 +151,10 @@ def test_every_pair_matches_naive_reference(strategy, summary, pos, weighted):
 @pytest.mark.parametrize("strategy,summary", PAIRS, ids=[f"{q}-{s}" for q, s in PAIRS])
 def test_every_pair_has_the_reference_gradients(strategy, summary, pos, weighted):
     run_both(
-        steps=5,
+        steps=PAIR_GRAD_STEPS,
         grad=True,
+        horizon=STEPS,
+        naive=shared_naive(STEPS, PAIR_GRAD_STEPS),
         **{
             "query.strategy": strategy,
             "summary.name": summary,
@@ -328,13 +359,13 @@ GATE_OPTIONS = {
 @pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
 @pytest.mark.parametrize("variant", list(GATE_OPTIONS.values()), ids=list(GATE_OPTIONS))
 def test_selection_inside_attention_matches_naive_reference(variant, grad):
-    run_both(steps=8 if not grad else 6, grad=grad, **variant)
+    run_both(steps=8 if not grad else 6, grad=grad, horizon=8, naive=shared_naive(8, 6), **variant)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
 @pytest.mark.parametrize("variant", list(NEW_OPTIONS.values()), ids=list(NEW_OPTIONS))
 def test_new_options_match_naive_reference(variant, grad):
-    run_both(steps=8 if not grad else 6, grad=grad, **variant)
+    run_both(steps=8 if not grad else 6, grad=grad, horizon=8, naive=shared_naive(8, 6), **variant)
 
 
 @pytest.mark.parametrize(
