@@ -64,6 +64,20 @@ def _shared_data_untouched():
         assert not changed, f"the tests wrote into {path}: {changed[:5]}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _run_folder(tmp_path_factory):
+    """Under pytest-xdist, a folder that every worker of this run shares (tmp_path_factory's base
+    is one per worker, its parent one per run) for :func:`tests.helpers.once_per_run`."""
+    from tests.helpers import RUN_FOLDER
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "once-per-run"
+        folder.mkdir(exist_ok=True)
+        RUN_FOLDER["folder"] = folder
+    yield
+    RUN_FOLDER.clear()
+
+
 @pytest.fixture
 def bf16_units(monkeypatch):
     """This machine's CPU as one with bfloat16 matrix units (AVX512-BF16), whatever it has: a

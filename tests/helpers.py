@@ -89,6 +89,33 @@ def tiny_model(n_token: int = 11, double: bool = True, **overrides: Any) -> Tran
     return model.eval()
 
 
+#: Under pytest-xdist, the folder that the workers of this test run share (set by the session
+#: fixture ``_run_folder`` of tests/conftest.py); empty in a run of one process.
+RUN_FOLDER: dict[str, Path] = {}
+_ONCE: dict[str, Any] = {}
+
+
+def once_per_run(key: str, compute: Any) -> Any:
+    """``compute()`` once per test run for ``key`` (a digest of everything the result depends on),
+    for expensive read-only results such as naive references: kept in memory, and under
+    pytest-xdist in a file of :data:`RUN_FOLDER` that the other worker loads instead of computing
+    it again (written whole, then renamed; two workers that miss it at once both compute it)."""
+    import torch
+
+    if key not in _ONCE:
+        folder = RUN_FOLDER.get("folder")
+        path = None if folder is None else folder / f"{key}.pt"
+        if path is not None and path.exists():
+            _ONCE[key] = torch.load(path, weights_only=False)
+        else:
+            _ONCE[key] = compute()
+            if path is not None:
+                part = path.with_suffix(f".{os.getpid()}.part")
+                torch.save(_ONCE[key], part)
+                os.replace(part, path)
+    return _ONCE[key]
+
+
 # crtn-train overrides for a tiny model on a tiny synthetic corpus (CLI tests: a few seconds)
 TINY_RUN = [
     "model.n_layer=1",

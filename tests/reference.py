@@ -11,6 +11,7 @@ and embedded with its own sinusoid, and the cache is a Python list of slots.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -21,9 +22,14 @@ from torch import Tensor
 
 def sinusoid(dist: Tensor, d: int) -> Tensor:
     """R_dist = [sin(dist w), cos(dist w)], w_i = 10000^(-2i/d): dist [C] -> [C, d] (float64)."""
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = dist.to(torch.float64)[:, None] * inv[None, :]
+    ang = dist.to(torch.float64)[:, None] * _inv_freq(d)[None, :]
     return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+@functools.cache
+def _inv_freq(d: int) -> Tensor:
+    """w_i = 10000^(-2i/d) of :func:`sinusoid`, once per width (a constant, read-only)."""
+    return 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
 
 
 def _ln(x: Tensor, ln) -> Tensor:
@@ -139,15 +145,17 @@ def naive_segment(
         v = attn.r_r_bias if model.untie_r else model.r_r_bias
         out = []
         for j in range(L):
+            # the context's rows [retrieved; memory; segment up to j], each block a slice of its
+            # states; a value scale and a distance (and with cache.pos=match a second one) per row
             rows, scale, dist, match = [], [], [], []
             segs = [] if retrieved is None or layer_i < retrieve_from else retrieved[j]
             n_ret = sum(s.states.shape[1] for s in segs)
             c = 0
             for seg in segs:
                 Ls = seg.states.shape[1]
+                rows.append(seg.states[layer_i])
+                scale.append(torch.as_tensor(seg.alpha if weighted else 1.0, dtype=h.dtype).expand(Ls))
                 for r in range(Ls):
-                    rows.append(seg.states[layer_i, r])
-                    scale.append(seg.alpha if weighted else 1.0)
                     if pos_mode == "real":
                         dist.append((t0 + j) - (seg.pos + r))
                     else:
@@ -155,22 +163,18 @@ def naive_segment(
                     if pos_mode == "match":
                         match.append(model.mem_len + model.tgt_len + Ls + seg.row - r)
                     c += 1
-            for r in range(hide_mem, M):
-                rows.append(mem[layer_i][r])
-                scale.append(1.0)
-                dist.append((t0 + j) - (t0 - M + r))
-            for r in range(j + 1):
-                rows.append(h[r])
-                scale.append(1.0)
-                dist.append(j - r)
+            if M > hide_mem:
+                rows.append(mem[layer_i][hide_mem:])
+            rows.append(h[: j + 1])
+            dist += [(t0 + j) - (t0 - M + r) for r in range(hide_mem, M)] + [j - r for r in range(j + 1)]
+            scale.append(torch.ones(M - hide_mem + j + 1, dtype=h.dtype))
             match += [-1] * (len(dist) - len(match))  # memory and segment rows: no second term
+            rows_t, scale_t, dist_t = torch.cat(rows), torch.cat(scale), torch.tensor(dist)
             if same_length and M + L > model.mem_len:
-                keep = [i for i, x in enumerate(dist) if x < model.mem_len]
-                rows, scale, dist = [rows[i] for i in keep], [scale[i] for i in keep], [dist[i] for i in keep]
-            rows_t = torch.stack(rows)
-            scale_t = torch.stack([torch.as_tensor(s, dtype=h.dtype) for s in scale])
+                keep = torch.tensor([i for i, x in enumerate(dist) if x < model.mem_len])
+                rows_t, scale_t, dist_t = rows_t[keep], scale_t[keep], dist_t[keep]
             m_dist = torch.tensor(match) if pos_mode == "match" else None
-            a = attend_token(attn, h[j], rows_t, scale_t, torch.tensor(dist), u, v, model.clamp_len, m_dist)
+            a = attend_token(attn, h[j], rows_t, scale_t, dist_t, u, v, model.clamp_len, m_dist)
             out.append(feed_forward(layer.pos_ff, a))
         h = torch.stack(out)
         hs.append(h)

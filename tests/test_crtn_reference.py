@@ -9,6 +9,7 @@ positions and alpha) must agree, in float64.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable
 
@@ -17,37 +18,61 @@ import torch
 
 from crtn.errors import ConfigError
 from crtn.model import valid_pairs
-from tests.helpers import tiny_model
+from tests.helpers import once_per_run, tiny_model, tiny_spec
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate
 
 V = 11
 STEPS = 7
+PAIR_GRAD_STEPS = 5  # the gradients of test_every_pair_has_the_reference_gradients
 ATOL = 1e-9  # docs/method.md §3 asks for 1e-5; float64 agreement is far tighter
 GRAD_ATOL = 1e-8  # parameter gradients, float64
 
 
-def naive_run(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple[list, list[torch.Tensor]]:
+def naive_run(model, tokens: torch.Tensor, steps: int, grad: bool | int) -> tuple[list, list[torch.Tensor]]:
     """The naive reference of ``model``'s weights and config over ``tokens`` [B, steps * L + 1], each
     stream on its own: per step and stream (NLL, selections), and with ``grad`` the parameter
-    gradients of the summed NLL (each step back-propagated before the next, as in training)."""
+    gradients of the summed NLL (each step back-propagated before the next, as in training);
+    ``grad`` a number of steps (not a bool): the gradients of the first ``grad`` steps only."""
     L = model.tgt_len
     naive = NaiveGate if model.query.in_attention else NaiveCRTN  # selection inside attention
     refs = [naive(model) for _ in range(tokens.shape[0])]
     params = [p for p in model.parameters() if p.requires_grad]
     g_ref = [torch.zeros_like(p) for p in params]
     per_step = []
+    n_grad = steps if grad is True else int(grad)
     for t in range(steps):
         x, y = tokens[:, t * L : (t + 1) * L], tokens[:, t * L + 1 : (t + 1) * L + 1]
         outs = []
         for b, ref in enumerate(refs):
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(t < n_grad):
                 nll_ref, sel_ref = ref.step(x[b], y[b], t * L)
-                if grad:
+                if t < n_grad:
                     _accumulate(g_ref, nll_ref.sum(), params)
             outs.append((nll_ref.detach(), sel_ref))
         per_step.append(outs)
     return per_step, g_ref
+
+
+def shared_naive(horizon: int, grad_steps: int) -> Callable:
+    """A ``naive`` for :func:`run_both` whose reference covers ``horizon`` steps, back-propagated
+    over the first ``grad_steps`` (:func:`naive_run`), computed once per model config, weights and
+    tokens in a test session: the values test of a variant (``horizon`` steps, no gradient) and its
+    gradients test (``grad_steps`` steps) compare against one reference run, which computes the
+    same values with or without autograd (:func:`tests.helpers.once_per_run`: the two tests of a
+    variant may land on either pytest-xdist worker)."""
+
+    def naive(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple[list, list[torch.Tensor]]:
+        assert steps == (grad_steps if grad else horizon), (steps, grad)
+        assert tokens.shape[1] == horizon * model.tgt_len + 1
+        key = hashlib.sha256(repr((model.spec, horizon, grad_steps)).encode())
+        for p in model.state_dict().values():
+            key.update(p.detach().numpy().tobytes())
+        key.update(tokens.numpy().tobytes())
+        per_step, g_ref = once_per_run(key.hexdigest(), lambda: naive_run(model, tokens, horizon, grad_steps))
+        return per_step[:steps], g_ref
+
+    return naive
 
 
 def run_both(
@@ -56,15 +81,18 @@ def run_both(
     atol: float = ATOL,
     grad_atol: float = GRAD_ATOL,
     naive: Callable = naive_run,
+    horizon: int | None = None,
     vocab: int = V,
     **overrides,
 ):
     """Run the model and the reference (``naive``: :func:`naive_run`) side by side; compare NLL and
     selections per step (to ``atol``), and with ``grad`` the parameter gradients of the summed NLL
-    (each step back-propagated before the next, as in training; to ``grad_atol``)."""
+    (each step back-propagated before the next, as in training; to ``grad_atol``). The tokens,
+    drawn from the first ``vocab`` ids, cover ``horizon`` steps (default ``steps``), of which the
+    first ``steps`` are run."""
     model = tiny_model(V, **{"model.name": "crtn", **overrides})
     L = model.tgt_len
-    tokens = torch.randint(0, vocab, (2, steps * L + 1))
+    tokens = torch.randint(0, vocab, (2, (horizon or steps) * L + 1))
     reference, g_ref = naive(model, tokens, steps, grad)
     params = [p for p in model.parameters() if p.requires_grad]
     g_model = [torch.zeros_like(p) for p in params]
@@ -112,13 +140,15 @@ PAIRS = valid_pairs()
 @pytest.mark.parametrize("strategy,summary", PAIRS, ids=[f"{q}-{s}" for q, s in PAIRS])
 def test_every_pair_matches_naive_reference(strategy, summary, pos, weighted):
     run_both(
+        horizon=STEPS,
+        naive=shared_naive(STEPS, PAIR_GRAD_STEPS),
         **{
             "query.strategy": strategy,
             "summary.name": summary,
             "cache.pos": pos,
             "cache.weighted": weighted,
             **_d_key(strategy, summary),
-        }
+        },
     )
 
 
@@ -126,8 +156,10 @@ def test_every_pair_matches_naive_reference(strategy, summary, pos, weighted):
 @pytest.mark.parametrize("strategy,summary", PAIRS, ids=[f"{q}-{s}" for q, s in PAIRS])
 def test_every_pair_has_the_reference_gradients(strategy, summary, pos, weighted):
     run_both(
-        steps=5,
+        steps=PAIR_GRAD_STEPS,
         grad=True,
+        horizon=STEPS,
+        naive=shared_naive(STEPS, PAIR_GRAD_STEPS),
         **{
             "query.strategy": strategy,
             "summary.name": summary,
@@ -189,7 +221,6 @@ NEW_OPTIONS = {
     "token_max_proj": {"summary.name": "token_max", "summary.d_key": 6},
     "key_layer_1": {"cache.key_layer": 1, "summary.name": "token_max", "summary.d_key": 6},
     "key_layer_0_window": {"cache.key_layer": 0, "query.strategy": "middle_l", "summary.name": "mean"},
-    "ngram_3": {"summary.name": "token_max", "summary.ngram": 3},
     "ngram_1": {"summary.name": "token_max", "summary.ngram": 1},
     "ngram_2_proj_real": {
         "summary.name": "token_max",
@@ -197,15 +228,7 @@ NEW_OPTIONS = {
         "summary.d_key": 6,
         "cache.pos": "real",
     },
-    "ngram_3_single_linear": {
-        "query.strategy": "single_linear",
-        "summary.name": "token_max",
-        "summary.ngram": 3,
-    },
-    "ngram_3_n_slot_3": {"summary.name": "token_max", "summary.ngram": 3, "cache.n_slot": 3},
     "ngram_2_layers_1": {"summary.name": "token_max", "summary.ngram": 2, "cache.layers": 1},
-    "shift_1_ngram_3": {"summary.name": "token_max", "summary.ngram": 3, "summary.shift": 1},
-    "shift_1_ngram_1": {"summary.name": "token_max", "summary.ngram": 1, "summary.shift": 1},
     "shift_1_ngram_2_proj": {
         "summary.name": "token_max",
         "summary.ngram": 2,
@@ -258,7 +281,8 @@ NEW_OPTIONS = {
         "cache.pos": "real",
     },
     # model=crtn's own cache (crtn/model/spec.py CacheSpec): one slot at alpha 1, read by the top
-    # two of three layers, with its query and summary (token / token_max)
+    # two of three layers, with its query and summary (token / token_max), positions at the
+    # best-matching row (cache.pos=match, the default: NEW_OPTION_ALIASES "match_default_cache")
     "crtn_default_cache": {
         "model.n_layer": 3,
         "cache.layers": 2,
@@ -268,18 +292,9 @@ NEW_OPTIONS = {
         "summary.name": "token_max",
     },
     # positions aligned on each selected slot's best-matching row (cache.pos=match): alpha over
-    # every slot (the row match's gradient path), at alpha 1 in crtn's default layers, a single-row
-    # match with learned maps, and distances clamped with a pair of biases per layer
+    # every slot (the row match's gradient path), at alpha 1 in crtn's default layers
+    # ("crtn_default_cache" above), a single-row match with learned maps, and distances clamped with a pair of biases per layer
     "match_ngram2": {"summary.name": "token_max", "summary.ngram": 2, "cache.pos": "match"},
-    "match_default_cache": {
-        "model.n_layer": 3,
-        "cache.layers": 2,
-        "cache.top_k": 1,
-        "cache.alpha_norm": "topk",
-        "summary.name": "token_max",
-        "summary.ngram": 3,
-        "cache.pos": "match",
-    },
     "match_ngram1_shift0_proj": {
         "summary.name": "token_max",
         "summary.ngram": 1,
@@ -295,6 +310,45 @@ NEW_OPTIONS = {
         "model.pre_lnorm": True,
     },
 }
+
+#: Options spelled otherwise that resolve to the spec of an entry of NEW_OPTIONS (the schema's
+#: defaults: token_max matches 3-grams shifted by 1 at cache.pos=match): the same model, weights and
+#: tokens, so the same run; test_option_aliases_resolve_to_the_same_spec holds them to it.
+NEW_OPTION_ALIASES = {
+    "ngram_3": ("token_max_plain", {"summary.name": "token_max", "summary.ngram": 3}),
+    "ngram_3_n_slot_3": (
+        "token_max_plain",
+        {"summary.name": "token_max", "summary.ngram": 3, "cache.n_slot": 3},
+    ),
+    "shift_1_ngram_3": (
+        "token_max_plain",
+        {"summary.name": "token_max", "summary.ngram": 3, "summary.shift": 1},
+    ),
+    "ngram_3_single_linear": (
+        "single_linear_token_max",
+        {"query.strategy": "single_linear", "summary.name": "token_max", "summary.ngram": 3},
+    ),
+    "shift_1_ngram_1": ("ngram_1", {"summary.name": "token_max", "summary.ngram": 1, "summary.shift": 1}),
+    "match_default_cache": (
+        "crtn_default_cache",
+        {
+            "model.n_layer": 3,
+            "cache.layers": 2,
+            "cache.top_k": 1,
+            "cache.alpha_norm": "topk",
+            "summary.name": "token_max",
+            "summary.ngram": 3,
+            "cache.pos": "match",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("alias", list(NEW_OPTION_ALIASES))
+def test_option_aliases_resolve_to_the_same_spec(alias):
+    name, overrides = NEW_OPTION_ALIASES[alias]
+    spec = tiny_spec(**{"model.name": "crtn", **overrides})
+    assert spec == tiny_spec(**{"model.name": "crtn", **NEW_OPTIONS[name]})
 
 
 #: selection inside attention (query=gate), against tests/reference_gate.py
@@ -343,13 +397,13 @@ GATE_OPTIONS = {
 @pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
 @pytest.mark.parametrize("variant", list(GATE_OPTIONS.values()), ids=list(GATE_OPTIONS))
 def test_selection_inside_attention_matches_naive_reference(variant, grad):
-    run_both(steps=8 if not grad else 6, grad=grad, **variant)
+    run_both(steps=8 if not grad else 6, grad=grad, horizon=8, naive=shared_naive(8, 6), **variant)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["values", "gradients"])
 @pytest.mark.parametrize("variant", list(NEW_OPTIONS.values()), ids=list(NEW_OPTIONS))
 def test_new_options_match_naive_reference(variant, grad):
-    run_both(steps=8 if not grad else 6, grad=grad, **variant)
+    run_both(steps=8 if not grad else 6, grad=grad, horizon=8, naive=shared_naive(8, 6), **variant)
 
 
 @pytest.mark.parametrize(
@@ -439,24 +493,45 @@ LAYER_KEYS = [
     (None, 2),
     (None, 3),
 ]
+#: pairings that resolve to the spec of another (key layer null: the first retrieving layer's
+#: input; cache.layers null: all 3), so the same model, weights and tokens, the same run:
+#: test_layer_key_aliases_resolve_to_the_same_spec holds them to it
+LAYER_KEY_ALIASES = {
+    (2, 1): (2, None),
+    (3, 3): (3, None),
+    (None, 3): (3, None),
+    (None, 0): (3, 0),
+    (None, 1): (3, 1),
+    (None, 2): (3, 2),
+}
+LAYER_KEYS_RUN = [pair for pair in LAYER_KEYS if pair not in LAYER_KEY_ALIASES]
+
+
+def _layers(layers: int | None, key_layer: int | None, summary: str) -> dict:
+    return {"model.n_layer": 3, "cache.layers": layers, "cache.key_layer": key_layer, "summary.name": summary}
+
+
+def _stored(layers: int | None, key_layer: int | None) -> int:
+    """Slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs,
+    after the key layer's where it lies below them."""
+    return 4 if layers in (None, 3) else layers + (key_layer is not None and key_layer < 3 - layers)
 
 
 @pytest.mark.parametrize("summary", ["last_state", "token_max"])
-@pytest.mark.parametrize("layers,key_layer", LAYER_KEYS, ids=[f"layers_{a}-key_{b}" for a, b in LAYER_KEYS])
+def test_layer_key_aliases_resolve_to_the_same_spec(summary):
+    for (layers, key_layer), (same_layers, same_key) in LAYER_KEY_ALIASES.items():
+        assert tiny_spec(**{"model.name": "crtn", **_layers(layers, key_layer, summary)}) == tiny_spec(
+            **{"model.name": "crtn", **_layers(same_layers, same_key, summary)}
+        ), (layers, key_layer)
+        assert _stored(layers, key_layer) == _stored(same_layers, same_key)
+
+
+@pytest.mark.parametrize("summary", ["last_state", "token_max"])
+@pytest.mark.parametrize(
+    "layers,key_layer", LAYER_KEYS_RUN, ids=[f"layers_{a}-key_{b}" for a, b in LAYER_KEYS_RUN]
+)
 def test_cache_layers_and_key_layer_of_three_layers_match_naive_reference(layers, key_layer, summary):
     """Values and parameter gradients against the naive reference, which reads the key layer and
     the first retrieving layer from the config on its own (tests/reference.py NaiveCRTN)."""
-    model, state = run_both(
-        steps=6,
-        grad=True,
-        **{
-            "model.n_layer": 3,
-            "cache.layers": layers,
-            "cache.key_layer": key_layer,
-            "summary.name": summary,
-        },
-    )
-    # slots hold every layer 0..n (the paper), or with fewer retrieving layers only their inputs,
-    # after the key layer's where it lies below them
-    stored = 4 if layers in (None, 3) else layers + (key_layer is not None and key_layer < 3 - layers)
-    assert state.cache.values.shape[0] == stored
+    model, state = run_both(steps=6, grad=True, **_layers(layers, key_layer, summary))
+    assert state.cache.values.shape[0] == _stored(layers, key_layer)

@@ -10,6 +10,8 @@ tiles, tiles hold padding, and the rows are read in several chunks.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 import crtn.model.grouped as grouped
 import crtn.model.retrieved as retrieved
 from crtn.model.grouped import SlotGroups, TokenRows, choose_tile, grouped_product, pairs_of
+from tests.helpers import once_per_run
 from tests.test_crtn_reference import naive_run, run_both
 
 ATOL = 1e-10
@@ -177,18 +180,16 @@ MODELS = {
 }
 
 
-_NAIVE: dict[tuple, tuple] = {}
-
-
 def naive_once(model, tokens: torch.Tensor, steps: int, grad: bool) -> tuple:
     """:func:`tests.test_crtn_reference.naive_run`, once per model config, weights, tokens and
     steps: the four forms of one variant differ in how the model reads its rows (the patches
-    below), not in the reference's inputs, so they share one reference run."""
-    weights = tuple(p.detach().numpy().tobytes() for p in model.state_dict().values())
-    key = (repr(model.spec), weights, tokens.numpy().tobytes(), steps, grad)
-    if key not in _NAIVE:
-        _NAIVE[key] = naive_run(model, tokens, steps, grad)
-    return _NAIVE[key]
+    below), not in the reference's inputs, so they share one reference run
+    (:func:`tests.helpers.once_per_run`: the four may land on either pytest-xdist worker)."""
+    key = hashlib.sha256(repr((model.spec, steps, grad)).encode())
+    for p in model.state_dict().values():
+        key.update(p.detach().numpy().tobytes())
+    key.update(tokens.numpy().tobytes())
+    return once_per_run(key.hexdigest(), lambda: naive_run(model, tokens, steps, grad))
 
 
 @pytest.mark.parametrize("size", [1, 2, None, "token_rows"], ids=["tile1", "tile2", "chosen", "token_rows"])
