@@ -110,7 +110,7 @@ def test_each_layer_selects_on_its_own():
         ),
         (
             ["query=gate", "cache.key_layer=2"],
-            "cache.key_layer=2 applies to the query strategies, not query=gate",
+            "cache.key_layer=2 applies to the query strategies that score states, not query=gate",
         ),
         (["query=gate", "summary=linear"], "query=gate cannot be paired with summary=linear"),
         (
