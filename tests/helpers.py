@@ -49,6 +49,15 @@ TINY = {
 }
 
 
+#: the overrides a query=lookup model needs beyond the tiny one: one row per token at alpha 1
+LOOKUP = {
+    "query.strategy": "lookup",
+    "summary.name": "token_max",
+    "cache.top_k": 1,
+    "cache.alpha_norm": "topk",
+}
+
+
 def tiny_cfg(**overrides: Any):
     """A ``crtn-train`` config with a tiny model; ``overrides`` are dotted keys, e.g. ``model.n_layer=2``.
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from crtn.model import valid_pairs
-from tests.helpers import tiny_model
+from tests.helpers import LOOKUP, tiny_model
 
 V = 11
 STEPS = 8  # segments of 3 tokens; 3 slots of 3 tokens fill by the fifth segment
@@ -36,14 +36,7 @@ OTHERS = {
     },
     "gate_layers_1": {"query.strategy": "gate", "summary.name": "token_max", "cache.layers": 1},
     "gate_ngram2": {"query.strategy": "gate", "summary.name": "token_max", "summary.ngram": 2},
-    "lookup": {
-        "query.strategy": "lookup",
-        "summary.name": "token_max",
-        "summary.ngram": 1,
-        "query.max_match": 3,
-        "cache.top_k": 1,
-        "cache.alpha_norm": "topk",
-    },
+    "lookup": {**LOOKUP, "summary.ngram": 1, "query.max_match": 3},
     "mem0": {"model.mem_len": 0},
     "alpha_original": {"cache.alpha_norm": "original"},
 }

@@ -18,6 +18,7 @@ import torch
 
 from crtn.errors import ConfigError
 from crtn.model import valid_pairs
+from tests.helpers import LOOKUP as LOOKUP_MODEL
 from tests.helpers import once_per_run, tiny_model, tiny_spec
 from tests.reference import NaiveCRTN
 from tests.reference_gate import NaiveGate
@@ -172,10 +173,7 @@ def test_every_pair_has_the_reference_gradients(strategy, summary, pos, weighted
 
 # query=lookup (one row per token, alpha 1): the n-gram lengths, the shift, positions, layers
 LOOKUP = {
-    "query.strategy": "lookup",
-    "summary.name": "token_max",
-    "cache.top_k": 1,
-    "cache.alpha_norm": "topk",
+    **LOOKUP_MODEL,
     "model.tgt_len": 4,
     "model.mem_len": 4,
 }

@@ -12,14 +12,12 @@ import torch
 
 from crtn.errors import ConfigError
 from crtn.model.lookup import NO_ROW, LookupIndex, ending_keys, longest, match_lengths
+from tests.helpers import LOOKUP as LOOKUP_MODEL
 from tests.helpers import tiny_model, tiny_spec
 
 LOOKUP = {
     "model.name": "crtn",
-    "query.strategy": "lookup",
-    "summary.name": "token_max",
-    "cache.top_k": 1,
-    "cache.alpha_norm": "topk",
+    **LOOKUP_MODEL,
     "model.tgt_len": 4,
     "model.mem_len": 4,
     "summary.ngram": 2,

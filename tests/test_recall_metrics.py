@@ -20,6 +20,7 @@ from crtn.data.base import Corpus
 from crtn.data.synthetic import RecallTask
 from crtn.data.vocab import Vocab
 from crtn.evaluate import evaluate
+from tests.helpers import LOOKUP as LOOKUP_MODEL
 from tests.helpers import tiny_model
 from tests.reference import NaiveCRTN
 
@@ -95,14 +96,7 @@ def _root(gaps: list[int], i: int) -> int:
 
 
 #: the lookup of the preceding tokens, whose tokens without a match retrieve nothing
-LOOKUP = {
-    "query.strategy": "lookup",
-    "summary.name": "token_max",
-    "summary.ngram": 1,
-    "query.max_match": 3,
-    "cache.top_k": 1,
-    "cache.alpha_norm": "topk",
-}
+LOOKUP = {**LOOKUP_MODEL, "summary.ngram": 1, "query.max_match": 3}
 
 
 @pytest.mark.parametrize("options", [{}, LOOKUP], ids=["default", "lookup"])

@@ -24,6 +24,7 @@ multipliers, its top bit cleared); tests compare the lookup with a token-by-toke
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,8 +46,10 @@ def match_lengths(ngram: int, max_match: int) -> tuple[int, ...]:
     return (*out, max_match)
 
 
-def _multipliers(n: int, device: torch.device | str) -> Tensor:
-    """n odd 63-bit multipliers, the same in every process (a fixed seed)."""
+@functools.cache
+def _multipliers(n: int, device: torch.device) -> Tensor:
+    """n odd 63-bit multipliers, the same in every process (a fixed seed); made once per length
+    and device, not every step."""
     gen = torch.Generator().manual_seed(0x1F0C4)
     return (torch.randint(0, 1 << 61, (n,), generator=gen) * 2 + 1).to(device)
 
