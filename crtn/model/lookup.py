@@ -147,9 +147,18 @@ class LookupIndex:
         return hit, torch.where(hit, self.where.gather(-1, j), 0)
 
     def state_dict(self) -> dict[str, Any]:
+        """The index as saved with the cache (:meth:`crtn.model.cache.SegmentCache.state_dict`):
+        ``{"keys", "where"}``, each [n_len, B, R] long, or None before the first renewal. The
+        tensors are the index's own, not copies."""
         return {"keys": self.keys, "where": self.where}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, so that a run continues from a checkpoint with the
+        same lookups as without the stop.
+
+        Raises:
+            KeyError: ``sd`` lacks ``keys`` or ``where``.
+        """
         self.keys, self.where = sd["keys"], sd["where"]
 
 
