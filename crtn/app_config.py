@@ -118,23 +118,24 @@ PAPER_CACHE = ("cache.layers=null", "cache.top_k=2", "cache.alpha_norm=all")
 
 
 def _table_rows() -> dict[str, list[str]]:
-    """The cost table's default rows: txl; the default CRTN (``model=crtn``), also with retrieval
-    in every layer and in the top layer only (``cache.layers``); and, each with retrieval in
-    every layer, in the top 2 and in the top 1 (``_layers2``, ``_layers1``): the CRTN authors'
-    model, ``model=crtn`` with the CRTN paper's cache (:data:`PAPER_CACHE`) and selection inside
-    attention with it (``query=gate``: mean-pooled block keys and the best row of token_max,
-    shared by the heads)."""
+    """The cost table's default rows: txl; the default CRTN (``model=crtn``: the lookup of the
+    preceding tokens), also with retrieval in every layer and in the top layer only
+    (``cache.layers``); the row match of the token's own state (``query=token``) in its place;
+    and, each with retrieval in every layer, in the top 2 and in the top 1 (``_layers2``,
+    ``_layers1``): the CRTN authors' model, the row match with the CRTN paper's cache
+    (:data:`PAPER_CACHE`) and selection inside attention with it (``query=gate``: mean-pooled block
+    keys and the best row of token_max, shared by the heads)."""
     rows: dict[str, list[str]] = {
         "txl": ["model=txl"],
         "default": ["model=crtn"],
         "default_every_layer": ["model=crtn", "cache.layers=null"],
         "default_layers1": ["model=crtn", "cache.layers=1"],
-        # the lookup of the preceding tokens in the default's layers (docs/method.md §3)
-        "lookup": ["model=crtn", "query=lookup"],
+        # the 4-gram row match of the token's own state in the default's layers (docs/method.md §3)
+        "row_match": ["model=crtn", "query=token"],
     }
     crtns = {
         "crtn_original": ["model=crtn_original"],
-        "paper_cache": ["model=crtn", *PAPER_CACHE],
+        "paper_cache": ["model=crtn", "query=token", *PAPER_CACHE],
         "gate": ["model=crtn", "query=gate", *PAPER_CACHE],
         "gate_token_max": ["model=crtn", "query=gate", "summary=token_max", *PAPER_CACHE],
     }
@@ -259,7 +260,7 @@ def pair_options() -> dict[str, dict[str, Any]]:
     """The options of the ``pair`` group, one per valid query x summary pairing
     (:func:`crtn.model.valid_pairs`, the one list of them): ``+pair=QUERY-SUMMARY`` selects
     ``query=QUERY summary=SUMMARY``, and ``+experiment=ablation_query`` sweeps them all
-    (``+pair: glob(*)``)."""
+    (``pair: glob(*)`` over its default ``token-token_max``)."""
     return {
         f"{q}-{s}": {"defaults": [{"override /query": q}, {"override /summary": s}]} for q, s in valid_pairs()
     }

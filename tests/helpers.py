@@ -15,11 +15,14 @@ from crtn.model import TransformerLM, build_model, resolve_spec
 
 #: Values the tests were written against where they differ from the schema's defaults (which
 #: are the command line's since crtn.config became the one source of defaults).
+#: The query: the CRTN paper's (the token's own state); crtn's default lookup has its own tests
+#: (test_lookup.py, the lookup cases of test_crtn_reference.py and the causality tests).
 #: The cache: the CRTN paper's (every layer retrieves, alpha over every slot, k 2 in TINY), the general
 #: path with alpha below 1 and its gradient; crtn's default cache has its own reference tests.
 #: The cache holds the states in their own dtype, so that float64 models meet their float64
 #: references; crtn's default bfloat16 storage has its own tests (test_rowmatch.py, test_cache.py).
 TEST_DEFAULTS = {
+    "query.strategy": "token",
     "summary.name": "last_state",
     "cache.layers": None,
     "cache.alpha_norm": "all",

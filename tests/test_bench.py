@@ -145,7 +145,7 @@ def test_table_rows_are_composed_from_yaml(smoke):
         "default",
         "default_every_layer",
         "default_layers1",
-        "lookup",
+        "row_match",
         "crtn_original",
         "crtn_original_layers2",
         "crtn_original_layers1",
@@ -168,10 +168,11 @@ def test_table_rows_are_composed_from_yaml(smoke):
         c = spec[name]["cache"]
         assert (c["alpha_norm"], c["pos"], c["top_k"]) == ("original", "real", 2)
         assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "last_state")
-    for name in ("default", "default_every_layer", "default_layers1"):
+    for name in ("default", "default_every_layer", "default_layers1", "row_match"):
         c = spec[name]["cache"]
         assert (c["alpha_norm"], c["top_k"], c["pos"]) == ("topk", 1, "match")
-        assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == ("token", "token_max")
+        strategy = "token" if name == "row_match" else "lookup"
+        assert (spec[name]["query"]["strategy"], spec[name]["summary"]["name"]) == (strategy, "token_max")
     for name in (
         "paper_cache",
         "paper_cache_layers2",
@@ -323,7 +324,8 @@ def test_main_pass_tool_runs_from_the_checkout():
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"summary.name": "last_state", "cache.layers": 1, "cache.pos": "real"}]
+    "overrides",
+    [{}, {"query.strategy": "token", "summary.name": "last_state", "cache.layers": 1, "cache.pos": "real"}],
 )
 def test_fill_leaves_a_full_cache_at_consistent_positions(overrides):
     """A cache larger than REAL_FILL_SLOTS: real steps, then random states in every slot, each slot

@@ -88,7 +88,7 @@ def test_token_defaults_to_token_max():
 
 
 def test_pair_options_are_exactly_the_valid_pairs():
-    """The ablation sweep's options (``+pair: glob(*)``) as Hydra lists them: no file and no
+    """The ablation sweep's options (``pair: glob(*)``) as Hydra lists them: no file and no
     option beyond the valid pairings."""
     register_configs()
     assert not (CONF / "pair").exists()
@@ -96,7 +96,7 @@ def test_pair_options_are_exactly_the_valid_pairs():
         options = set(GlobalHydra.instance().config_loader().get_group_options("pair"))
     assert options == {f"{q}-{s}" for q, s in valid_pairs()}
     sweep = OmegaConf.create((CONF / "experiment" / "ablation_query.yaml").read_text())
-    assert OmegaConf.to_container(sweep.hydra.sweeper.params) == {"+pair": "glob(*)"}
+    assert OmegaConf.to_container(sweep.hydra.sweeper.params) == {"pair": "glob(*)"}
 
 
 @pytest.mark.parametrize("strategy,summary", valid_pairs(), ids=[f"{q}-{s}" for q, s in valid_pairs()])
@@ -104,6 +104,9 @@ def test_each_pair_option_selects_its_pair(strategy, summary):
     defaults = pair_options()[f"{strategy}-{summary}"]["defaults"]
     assert defaults == [{"override /query": strategy}, {"override /summary": summary}]
     cfg = composed("train", [f"+pair={strategy}-{summary}"])
+    assert (cfg.query.strategy, cfg.summary.name) == (strategy, summary)
+    # a job of the ablation sweep: the sweeper puts its parameter before the command line's
+    cfg = composed("train", [f"pair={strategy}-{summary}", "+experiment=ablation_query"])
     assert (cfg.query.strategy, cfg.summary.name) == (strategy, summary)
 
 

@@ -106,5 +106,5 @@ def test_the_readme_python_api_runs():
     scope: dict = {}
     exec(compile(code.replace("print(", "result = ("), "README.md", "exec"), scope)  # noqa: S102
     slot_shape, alpha_shape = scope["result"]
-    assert tuple(slot_shape) == tuple(alpha_shape) == (4, 16, 2)
+    assert tuple(slot_shape) == tuple(alpha_shape) == (4, 16, 1)
     assert scope["out"].nll.shape == (4, 16)

@@ -98,7 +98,7 @@ def test_a_run_over_a_checkpoint(tmp_path, monkeypatch):
 
     tool = load_tool("first_stage_recall", monkeypatch)  # a dataclass: registered
     run = tmp_path / "run"
-    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
+    train_in(compose_train([*TINY_RUN, "query=token", "train.max_step=30", "train.eval_interval=30"]), run)
     D = 4 * 16  # summary.ngram 4 (the default) windows of d_model 16
     monkeypatch.setattr(tool, "FIT_STEPS", 20)
     tally = tool.Tally(dims=(1, D), tops=(1,), bases=("random", "pca", "fitted"))

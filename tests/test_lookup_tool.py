@@ -15,7 +15,7 @@ from tests.helpers import TINY_RUN, compose_train, load_tool
 def trained(tmp_path_factory) -> str:
     """A tiny crtn checkpoint trained for 30 steps on passages that repeat (its best.pt)."""
     run = tmp_path_factory.mktemp("lookup") / "run"
-    train_in(compose_train([*TINY_RUN, "train.max_step=30", "train.eval_interval=30"]), run)
+    train_in(compose_train([*TINY_RUN, "query=token", "train.max_step=30", "train.eval_interval=30"]), run)
     return str(run / "checkpoints/best.pt")
 
 

@@ -21,6 +21,7 @@ def test_recall_diagnosis_counts_match_evaluation(tmp_path):
     run = tmp_path / "run"
     overrides = [
         *TINY_RUN,
+        "query=token",  # the row match, whose copy the tool diagnoses
         "data.synthetic.repeat_skip=1",
         "cache.n_slot=12",  # 96 tokens: a copy's source and the source's own source (gaps 24-40)
         "train.max_step=40",

@@ -176,7 +176,7 @@ BUILDS = {
     "fixed_length_1-conv": ["+pair=fixed_length_1-conv"],
     "fixed_length_2-sum": ["+pair=fixed_length_2-sum", "cache.layers=1"],
     "middle_l-max": ["+pair=middle_l-max", "cache.backend=faiss", "cache.alpha_norm=topk"],
-    "token_max-d_key": ["summary.d_key=8", "cache.dtype=float16"],
+    "token_max-d_key": ["query=token", "summary.d_key=8", "cache.dtype=float16"],
 }
 
 

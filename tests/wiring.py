@@ -31,6 +31,10 @@ from tests.helpers import compose_train
 
 #: vocabulary of the models built without a corpus (the base corpus has as many symbols)
 N_TOKEN = 20
+#: the query of the wiring rows: the row match of the token's own state, which reads the options
+#: of the query pass and the summaries; the rows of the lookup's own option set query.strategy
+#: (tests/test_wiring_model.py, ``LOOKUP``)
+ROW_MATCH = ("query=token",)
 #: a tiny CRTN (two layers, so that layer choices show) on a tiny synthetic corpus
 BASE = (
     "model.n_layer=2",
@@ -96,7 +100,7 @@ class Ctx:
     def __init__(self, key: str, wire: Wire, tmp: Path):
         self.key, self.tmp = key, tmp
         self.value = self.sub(wire.value)
-        self.base = [*BASE, *(self.sub(o) for o in wire.extra)]
+        self.base = [*ROW_MATCH, *BASE, *(self.sub(o) for o in wire.extra)]
 
     def sub(self, value: Any) -> Any:
         return value.replace("{tmp}", str(self.tmp)) if isinstance(value, str) else value

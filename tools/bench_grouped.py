@@ -14,7 +14,7 @@ state. The process flushes denormal floats to zero and keeps freed memory as the
 (``crtn.utils``).
 
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --before 6181d9f
-    OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows default,default_n1024 --before bba2a90
+    OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows row_match,row_match_n1024 --before bba2a90
     OMP_NUM_THREADS=1 python tools/bench_grouped.py --rows ngram8,gate_token_max_layers2 --profile
     OMP_NUM_THREADS=2 python tools/bench_grouped.py --rows ngram8 --rounds 1 --products
     python tools/bench_grouped.py --device cuda --batch 64 --rows default --rounds 9 --profile
@@ -76,20 +76,22 @@ from crtn.model.rowmatch import LeadIn
 from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
-#: ``crtn-bench``'s table rows, and more: ``default_all`` (the default with alpha below 1),
-#: ``k1_all`` (one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram retrieval in every
-#: layer), ``ngram8_layers2`` (the same in the default's two retrieving layers, keys at layer 0),
-#: ``default_n1024`` / ``lookup_n1024`` (the default and the lookup of the preceding tokens with
-#: crtn-bench's large cache, ``bench.n_slot_large``) and
-#: ``default_float32`` / ``default_float32_n1024`` (the same with the cache stored in float32) and
-#: ``default_products_float32`` (the default's bfloat16 rows multiplied in float32) and
-#: ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only) and
-#: ``txl_range`` (Transformer-XL whose memory covers the default's range) and ``default_concat`` /
-#: ``default_concat_n1024`` / ``ngram8_layers2_concat`` (the retrieved rows placed by the
+#: the 4-gram row match of the token's own state (``query=token``) with the default cache
+ROW_MATCH = ["model=crtn", "query=token"]
+#: ``crtn-bench``'s table rows, and more: ``row_match_all`` (the row match with alpha below 1),
+#: ``k1_all`` (the row match, one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram
+#: retrieval in every layer), ``ngram8_layers2`` (the same in the default's two retrieving layers,
+#: keys at layer 0), ``default_n1024`` / ``row_match_n1024`` (the default, the lookup of the
+#: preceding tokens, and the row match with crtn-bench's large cache, ``bench.n_slot_large``) and
+#: ``row_match_float32`` / ``row_match_float32_n1024`` (the row match with the cache stored in
+#: float32) and ``row_match_products_float32`` (the row match's bfloat16 rows multiplied in float32)
+#: and ``crtn_original_detach`` (the CRTN authors' model with its query pass run forward only) and
+#: ``txl_range`` (Transformer-XL whose memory covers the default's range) and ``row_match_concat`` /
+#: ``row_match_concat_n1024`` / ``ngram8_layers2_concat`` (the retrieved rows placed by the
 #: concatenated context alone, ``cache.pos=concat``, not by their slot's best-matching row too)
 #: exact 8-gram retrieval in the default's two layers, keys at layer 0
 NGRAM8_LAYERS2 = [
-    "model=crtn",
+    *ROW_MATCH,
     "cache.key_layer=0",
     "summary.ngram=8",
     "summary.cosine=true",
@@ -98,21 +100,21 @@ NGRAM8_LAYERS2 = [
 ]
 ROWS = {
     **BenchSpec().rows,
-    "default_all": ["model=crtn", "cache.alpha_norm=all"],
+    "row_match_all": [*ROW_MATCH, "cache.alpha_norm=all"],
     "default_n1024": ["model=crtn", f"cache.n_slot={BenchSpec().n_slot_large}"],
-    "lookup_n1024": ["model=crtn", "query=lookup", f"cache.n_slot={BenchSpec().n_slot_large}"],
-    "default_concat": ["model=crtn", "cache.pos=concat"],
-    "default_concat_n1024": ["model=crtn", "cache.pos=concat", f"cache.n_slot={BenchSpec().n_slot_large}"],
-    "default_float32": ["model=crtn", "cache.dtype=float32"],
-    "default_float32_n1024": [
-        "model=crtn",
+    "row_match_n1024": [*ROW_MATCH, f"cache.n_slot={BenchSpec().n_slot_large}"],
+    "row_match_concat": [*ROW_MATCH, "cache.pos=concat"],
+    "row_match_concat_n1024": [*ROW_MATCH, "cache.pos=concat", f"cache.n_slot={BenchSpec().n_slot_large}"],
+    "row_match_float32": [*ROW_MATCH, "cache.dtype=float32"],
+    "row_match_float32_n1024": [
+        *ROW_MATCH,
         "cache.dtype=float32",
         f"cache.n_slot={BenchSpec().n_slot_large}",
     ],
-    "default_products_float32": ["model=crtn", "cache.product_dtype=float32"],
-    "k1_all": ["model=crtn", "cache.layers=null", "cache.alpha_norm=all"],
+    "row_match_products_float32": [*ROW_MATCH, "cache.product_dtype=float32"],
+    "k1_all": [*ROW_MATCH, "cache.layers=null", "cache.alpha_norm=all"],
     "ngram8": [
-        "model=crtn",
+        *ROW_MATCH,
         "cache.layers=null",
         "cache.key_layer=0",
         "summary.ngram=8",

@@ -45,7 +45,9 @@ def measure(s: BenchSpec, batch: int, tgt_len: int, memory: bool) -> dict:
     """Time the model's main pass and the naive reference over one segment after 6 filling segments."""
     small = replace(s, batch=batch, tgt_len=tgt_len)
     summ = default_summary("token")
-    cfg = model_spec(small, "crtn", tgt_len, **{"cache.n_slot": 4, "summary.name": summ})
+    cfg = model_spec(
+        small, "crtn", tgt_len, **{"query.strategy": "token", "cache.n_slot": 4, "summary.name": summ}
+    )
     case = make_case(f"crtn(token/{summ}) main pass", cfg, small, device=torch.device("cpu"), train=False)
     model = case.model.eval()
     L, x_all = model.tgt_len, case.tokens

@@ -1,6 +1,6 @@
 """token_max's chunked row match (``crtn/model/rowmatch.py``; docs/method.md §3, "Summaries")
 against the same formula as one unchunked autograd graph, its implementation before the chunks:
-the row match alone and the training step of the default ``model=crtn`` at two cache sizes, both
+the row match alone and the training step of ``model=crtn query=token`` at two cache sizes, both
 in one process, alternating (docs/results.md, "Performance").
 
     python tools/bench_row_match.py                          # CPU, batch 16, N = 32 and 1,024
@@ -11,7 +11,7 @@ in one process, alternating (docs/results.md, "Performance").
 ``score``: one call of the row match and its backward w.r.t. the queries (w = 4, s = 1, the
 defaults) on random rows of the bench's sizes (L 64, d 256). ``step``: crtn-bench's training step
 (forward, backward, clip, Adam; memory and cache full, the slots beyond the first 64 random) of
-the default model at N = 32 and the large N, each with the chunked and the unchunked row match,
+the row match's model (``model=crtn query=token``) at N = 32 and the large N, each with the chunked and the unchunked row match,
 and Transformer-XL whose memory covers the range at N = 32 (m + N L): the N-scaling ratio
 (step at the large N over step at N = 32) and the range ratio (tokens/s over that
 Transformer-XL's) of each implementation. Peak memory on a GPU (``--device cuda``) only.
@@ -156,13 +156,18 @@ def bench_product(s: BenchSpec, slots: list[int], rounds: int, device: torch.dev
 
 
 def bench_step(s: BenchSpec, large: int, rounds: int, device: torch.device) -> dict:
-    """Training steps of the default model at N = s.n_slot and ``large`` with both row matches, and
+    """Training steps of the row match's model at N = s.n_slot and ``large`` with both row matches, and
     Transformer-XL over the range at N = s.n_slot; one case per model, the implementation swapped
     between steps of the same case."""
     L = s.tgt_len
     stepper = Stepper(device, amp=False)
     cases = {
-        n: make_case(f"crtn n_slot={n}", model_cfg(s, "crtn", L, **{"cache.n_slot": n}), s, device=device)
+        n: make_case(
+            f"crtn n_slot={n}",
+            model_cfg(s, "crtn", L, **{"query.strategy": "token", "cache.n_slot": n}),
+            s,
+            device=device,
+        )
         for n in (s.n_slot, large)
     }
     rng = L + s.n_slot * L

@@ -19,13 +19,14 @@ Sections (``bench.sections``; they run in this order):
   (training step time, peak step memory, tokens/s; evaluation step time) and, for a model with a
   cache, against Transformer-XL whose memory covers the same range, m + N L (tokens/s);
 - ``table``: the rows of ``bench.rows`` (Hydra-composed ``crtn-train`` overrides; by default
-  txl, the CRTN authors' model ``model=crtn_original`` and the default ``model=crtn``, each CRTN
-  also with ``cache.layers=2`` and ``cache.layers=1``) at the standard sizes, against the row
+  txl, the CRTN authors' model ``model=crtn_original``, the default ``model=crtn`` and its row
+  match ``query=token``, each CRTN also with ``cache.layers=2`` and ``cache.layers=1``) at the
+  standard sizes, against the row
   ``bench.reference``: training step, peak step memory, tokens/s against txl of the same range,
   step at ``n_slot_large`` over step at ``n_slot``, evaluation step;
 - ``strategies``: txl(mem_len=L) against crtn for each query strategy of ``bench.strategies``
-  with its default summary, plus ``token`` with ``last_state`` keys and the default with
-  ``cache.layers=1`` (training and evaluation);
+  with its default summary, plus ``token`` with ``last_state`` keys and the row match (``token``
+  with ``token_max``) with ``cache.layers=1`` (training and evaluation);
 - ``range``: crtn(n_slot=N), token and last_l, against txl with the same dependency range;
 - ``scaling``: crtn training step time as n_slot grows (``bench.slots_scaling``) for the
   ``token`` query with ``last_state`` keys and for ``last_l`` with ``identity`` keys;

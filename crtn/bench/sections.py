@@ -23,7 +23,7 @@ from crtn.bench.cases import (
 )
 from crtn.config import default_summary
 from crtn.model import SegmentCache
-from crtn.model.spec import CacheSpec
+from crtn.model.spec import CacheSpec, QuerySpec
 from crtn.model.summary import make_summary
 
 #: pairings of the N-scaling rows: ``token`` with one key per slot (``last_state``; the
@@ -35,15 +35,16 @@ SCALING_PAIRS = (("token", "last_state"), ("last_l", "identity"))
 def strategy_cases(strategies: tuple[str, ...]) -> list[tuple[str, str, dict[str, Any]]]:
     """(name, what the row measures, config overrides) of the crtn rows of the strategies section.
 
-    Every strategy with its default summary (``token``: ``token_max``, the default model), plus
-    ``token`` with ``last_state`` keys (one key per slot: the cheap scoring that the N-scaling
-    rows measure) and the default with retrieval in the top layer only (``cache.layers=1``).
+    Every strategy with its default summary (``lookup``: the default model; ``token``: ``token_max``,
+    the row match), plus ``token`` with ``last_state`` keys (one key per slot: the cheap scoring
+    that the N-scaling rows measure) and the row match with retrieval in the top layer only
+    (``cache.layers=1``).
     """
     out = []
     for q in strategies:
         summ = default_summary(q)
         pair = {"query.strategy": q, "summary.name": summ}
-        what = "default pairing" if q == "token" else f"strategy {q} with its default summary"
+        what = "the default model" if q == QuerySpec().strategy else f"strategy {q} with its default summary"
         out.append((f"crtn({q}/{summ})", what, pair))
         if q == "token":
             out.append(
@@ -56,7 +57,7 @@ def strategy_cases(strategies: tuple[str, ...]) -> list[tuple[str, str, dict[str
             out.append(
                 (
                     f"crtn(token/{summ}, layers=1)",
-                    "default pairing, retrieval in the top layer only (cache.layers=1)",
+                    "the row match, retrieval in the top layer only (cache.layers=1)",
                     {**pair, "cache.layers": 1},
                 )
             )

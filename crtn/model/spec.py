@@ -119,7 +119,9 @@ class CacheSpec:
 class QuerySpec:
     """How each token's query is built (docs/method.md §3, "Query strategies")."""
 
-    strategy: str = "token"  # crtn.model.STRATEGIES; gate: selection inside attention (no query pass)
+    # crtn.model.STRATEGIES; gate: selection inside attention (no query pass); lookup: an exact lookup
+    # of the preceding tokens (no query pass; docs/results.md, "The lookup as a retriever")
+    strategy: str = "lookup"
     detach: bool = False  # stop gradients from the retrieval weights into the query pass (gate: the query)
     # lookup: the longest n-gram a token looks up (crtn/model/lookup.py: summary.ngram, twice it, ...
     # below this, and this)
