@@ -76,8 +76,9 @@ from crtn.model.rowmatch import LeadIn
 from crtn.utils import flush_denormals, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the 4-gram row match of the token's own state (``query=token``) with the default cache
-ROW_MATCH = ["model=crtn", "query=token"]
+#: the 4-gram row match of the token's own state (``query=token``) with the default cache: the
+#: cost table's ``row_match`` row, whose overrides the variants below extend
+ROW_MATCH = BenchSpec().rows["row_match"]
 #: ``crtn-bench``'s table rows, and more: ``row_match_all`` (the row match with alpha below 1),
 #: ``k1_all`` (the row match, one slot at alpha below 1 in every layer), ``ngram8`` (exact 8-gram
 #: retrieval in every layer), ``ngram8_layers2`` (the same in the default's two retrieving layers,

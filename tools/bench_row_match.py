@@ -11,8 +11,8 @@ in one process, alternating (docs/results.md, "Performance").
 ``score``: one call of the row match and its backward w.r.t. the queries (w = 4, s = 1, the
 defaults) on random rows of the bench's sizes (L 64, d 256). ``step``: crtn-bench's training step
 (forward, backward, clip, Adam; memory and cache full, the slots beyond the first 64 random) of
-the row match's model (``model=crtn query=token``) at N = 32 and the large N, each with the chunked and the unchunked row match,
-and Transformer-XL whose memory covers the range at N = 32 (m + N L): the N-scaling ratio
+the row match's model (``model=crtn query=token``) at N = 32 and the large N, each with the
+chunked and the unchunked row match, and Transformer-XL whose memory covers the range at N = 32 (m + N L): the N-scaling ratio
 (step at the large N over step at N = 32) and the range ratio (tokens/s over that
 Transformer-XL's) of each implementation. Peak memory on a GPU (``--device cuda``) only.
 ``product`` (not in the default sections): the product that dominates the match at large N, in

@@ -21,9 +21,9 @@ Sections (``bench.sections``; they run in this order):
 - ``table``: the rows of ``bench.rows`` (Hydra-composed ``crtn-train`` overrides; by default
   txl, the CRTN authors' model ``model=crtn_original``, the default ``model=crtn`` and its row
   match ``query=token``, each CRTN also with ``cache.layers=2`` and ``cache.layers=1``) at the
-  standard sizes, against the row
-  ``bench.reference``: training step, peak step memory, tokens/s against txl of the same range,
-  step at ``n_slot_large`` over step at ``n_slot``, evaluation step;
+  standard sizes, against the row ``bench.reference``: training step, peak step memory, tokens/s
+  against txl of the same range, step at ``n_slot_large`` over step at ``n_slot``, evaluation
+  step;
 - ``strategies``: txl(mem_len=L) against crtn for each query strategy of ``bench.strategies``
   with its default summary, plus ``token`` with ``last_state`` keys and the row match (``token``
   with ``token_max``) with ``cache.layers=1`` (training and evaluation);
