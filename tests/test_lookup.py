@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from crtn.errors import ConfigError
-from crtn.model.lookup import NO_ROW, LookupIndex, ending_keys, longest, match_lengths
+from crtn.model.lookup import NO_ROW, LookupIndex, _multipliers, ending_keys, longest, match_lengths
 from tests.helpers import LOOKUP as LOOKUP_MODEL
 from tests.helpers import tiny_model, tiny_spec
 
@@ -53,6 +53,39 @@ def test_equal_keys_are_exactly_equal_ngrams():
                 continue
             same = tokens[b, p - n + 1 : p + 1].tolist() == tokens[c, q - n + 1 : q + 1].tolist()
             assert bool(keys[i, b, p] == keys[i, c, q]) == same, (n, b, p, c, q)
+
+
+def _keys_offset_by_offset(tokens: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """The hash of :func:`ending_keys` summed one offset a at a time: sum_a x_{p-a} m_a modulo
+    2^64, NO_ROW where a token is unknown or before the first column."""
+    B, S = tokens.shape
+    mult = _multipliers(max(lengths), tokens.device)
+    acc = torch.zeros(B, S, dtype=torch.long)
+    known = torch.ones(B, S, dtype=torch.bool)
+    out = []
+    for a in range(max(lengths)):
+        back = torch.full_like(tokens, -1)
+        back[:, a:] = tokens[:, : S - a]
+        acc += back * mult[a]
+        known &= back >= 0
+        if a + 1 in lengths:
+            out.append(torch.where(known, acc & ((1 << 63) - 1), NO_ROW))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("B", "S", "lengths"), [(2, 60, (1, 3, 5)), (4, 80, (4, 8, 16)), (3, 5, (5,)), (1, 1, (1,))]
+)
+def test_keys_equal_the_sum_offset_by_offset(B, S, lengths):
+    """The keys are exactly the sum over offsets, bit for bit (the running sum wraps modulo 2^64
+    in any order), so an index saved in a checkpoint keeps matching the keys computed now."""
+    torch.manual_seed(B * S)
+    tokens = torch.randint(0, 300, (B, S))
+    tokens[0, : min(3, S)] = -1
+    tokens[-1, S // 2] = -1
+    keys = ending_keys(tokens, lengths)
+    assert keys.is_contiguous()
+    assert torch.equal(keys, _keys_offset_by_offset(tokens, lengths))
 
 
 def test_the_index_finds_the_most_recent_equal_key_under_renewal():

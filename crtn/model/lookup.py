@@ -28,6 +28,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 #: key of a row whose w tokens reach before its stream's start, and of such a query: never equal
@@ -57,6 +58,12 @@ def _multipliers(n: int, device: torch.device) -> Tensor:
 def ending_keys(tokens: Tensor, lengths: tuple[int, ...]) -> Tensor:
     """The key of the w tokens ending at every position, for each length w.
 
+    The hash of x_{p-w+1..p} is sum_{a<w} x_{p-a} m_a modulo 2^64 (odd multipliers m_a,
+    :func:`_multipliers`), computed for every w at once as a running sum over the window of the
+    max(lengths) tokens ending at p: a dozen tensor operations per step whatever the lengths,
+    where a loop over the offsets a would issue several per offset (on a GPU, each a kernel
+    launch). Sums wrap modulo 2^64 in any order, so the keys do not depend on how the sum runs.
+
     Args:
         tokens: [B, S] long, token ids >= 0, or -1 where the token is unknown (before the stream's
             start).
@@ -66,19 +73,14 @@ def ending_keys(tokens: Tensor, lengths: tuple[int, ...]) -> Tensor:
         [n_len, B, S] long: at [i, b, p] a hash >= 0 of x_{p-w+1..p} (w = ``lengths[i]``), or
         :data:`NO_ROW` where one of those tokens is unknown or lies before the first column.
     """
-    B, S = tokens.shape
-    mult = _multipliers(max(lengths), tokens.device)
-    acc = torch.zeros(B, S, dtype=torch.long, device=tokens.device)
-    known = torch.ones(B, S, dtype=torch.bool, device=tokens.device)
-    out = []
-    for a in range(max(lengths)):
-        back = torch.full_like(tokens, -1)
-        back[:, a:] = tokens[:, : S - a]  # x_{p-a}
-        acc += back * mult[a]  # wraps modulo 2^64
-        known &= back >= 0
-        if a + 1 in lengths:
-            out.append(torch.where(known, acc & _TOP_BIT_CLEAR, NO_ROW))
-    return torch.stack(out)
+    W = max(lengths)
+    mult = _multipliers(W, tokens.device)
+    back = F.pad(tokens, (W - 1, 0), value=-1).unfold(1, W, 1).flip(-1)  # [B, S, W]: x_{p-a} at a
+    acc = (back * mult).cumsum(-1)  # [B, S, W]: the hash of length a + 1, wrapped modulo 2^64
+    known = (back < 0).cumsum(-1) == 0  # no unknown token among x_{p-a..p}
+    pick = torch.tensor([w - 1 for w in lengths], device=tokens.device)
+    keys = torch.where(known[..., pick], acc[..., pick] & _TOP_BIT_CLEAR, NO_ROW)
+    return keys.permute(2, 0, 1).contiguous()
 
 
 class LookupIndex:
