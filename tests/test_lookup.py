@@ -114,6 +114,25 @@ def test_the_index_finds_the_most_recent_equal_key_under_renewal():
                         assert int(where[i, b, j]) == want, (t, i, b, j)
 
 
+def test_the_renewed_index_equals_one_sort_of_the_slots_held():
+    """After every renewal, with and without eviction, the merged index is exactly the stable
+    sort of the held slots' keys taken oldest first (:meth:`LookupIndex.of_slots`): the same keys
+    and the same row for each, ties in stream order."""
+    gen = torch.Generator().manual_seed(2)
+    n_slot, Ls, B = 4, 6, 3
+    index, ring = LookupIndex(), torch.zeros(2, B, n_slot, Ls, dtype=torch.long)
+    for t in range(11):
+        keys = torch.randint(0, 5, (2, B, Ls), generator=gen)
+        slot = t % n_slot
+        index.renew(keys, slot, evict=t >= n_slot)
+        ring[:, :, slot] = keys
+        held = min(t + 1, n_slot)  # slots 0..t until the ring is full, then the oldest is slot + 1
+        oldest_first = torch.tensor([(t + 1 + i) % n_slot for i in range(n_slot)][-held:])
+        want = LookupIndex.of_slots(ring[:, :, :held], oldest_first)
+        assert torch.equal(index.keys, want.keys), t
+        assert torch.equal(index.where, want.where), t
+
+
 def test_longest_takes_the_longest_length_that_occurred():
     hit = torch.tensor([[[True, True, False, False]], [[False, True, True, False]]])  # [n_len 2, B 1, L 4]
     where = torch.tensor([[[1, 2, 3, 4]], [[5, 6, 7, 8]]])

@@ -100,8 +100,10 @@ class LookupIndex:
     def renew(self, keys: Tensor, slot: int, evict: bool) -> None:
         """Enter one slot's row keys, [n_len, B, Ls] (those of ring slot ``slot``, stream positions
         ascending), after removing the rows of the slot it replaces where ``evict``. Costs one
-        merge, O(R) memory traffic: the new keys sorted (stable), placed after every equal
-        older key (``searchsorted`` right), the old keys kept in order around them."""
+        merge, O(R) memory traffic, and no host sync (every size is known without reading the
+        device): the evicted slot's Ls rows per stream are dropped by a running count of the kept
+        ones; the new keys, sorted (stable), go after every equal older key (``searchsorted``
+        right) and each older key after the new keys below it (``searchsorted`` left)."""
         n, B, Ls = keys.shape
         new_k, order = keys.sort(dim=-1, stable=True)
         new_w = order + slot * Ls
@@ -110,15 +112,12 @@ class LookupIndex:
             return
         old_k, old_w = self.keys, self.where
         if evict:
-            keep = old_w.div(Ls, rounding_mode="floor") != slot
-            old_k, old_w = old_k[keep].view(n, B, -1), old_w[keep].view(n, B, -1)
+            old_k, old_w = _drop_slot(old_k, old_w, slot, Ls)
         R = old_k.shape[-1]
-        dest = torch.searchsorted(old_k, new_k, right=True) + torch.arange(Ls, device=keys.device)
-        is_new = torch.zeros(n, B, R + Ls, dtype=torch.bool, device=keys.device).scatter_(-1, dest, True)
-        self.keys = torch.empty(n, B, R + Ls, dtype=torch.long, device=keys.device)
-        self.where = torch.empty_like(self.keys)
-        for out, new, old in ((self.keys, new_k, old_k), (self.where, new_w, old_w)):
-            out.scatter_(-1, dest, new).masked_scatter_(~is_new, old)
+        dest_new = torch.searchsorted(old_k, new_k, right=True) + torch.arange(Ls, device=keys.device)
+        dest_old = torch.searchsorted(new_k, old_k) + torch.arange(R, device=keys.device)
+        self.keys = old_k.new_empty(n, B, R + Ls).scatter_(-1, dest_new, new_k).scatter_(-1, dest_old, old_k)
+        self.where = old_w.new_empty(n, B, R + Ls).scatter_(-1, dest_new, new_w).scatter_(-1, dest_old, old_w)
 
     @classmethod
     def of_slots(cls, row_keys: Tensor, oldest_first: Tensor) -> LookupIndex:
@@ -162,6 +161,18 @@ class LookupIndex:
             KeyError: ``sd`` lacks ``keys`` or ``where``.
         """
         self.keys, self.where = sd["keys"], sd["where"]
+
+
+def _drop_slot(keys: Tensor, where: Tensor, slot: int, Ls: int) -> tuple[Tensor, Tensor]:
+    """``keys`` and ``where`` [n_len, B, R] without the Ls entries per stream of ring slot
+    ``slot``, the others in their order: each kept entry goes to the count of kept entries before
+    it, each dropped one to a spare last column that is cut off ([n_len, B, R - Ls] each,
+    contiguous, as ``searchsorted`` wants them)."""
+    R = keys.shape[-1]
+    keep = where.div(Ls, rounding_mode="floor") != slot
+    dest = torch.where(keep, keep.cumsum(-1) - 1, R - Ls)
+    out = [t.new_empty(*t.shape[:-1], R - Ls + 1).scatter_(-1, dest, t) for t in (keys, where)]
+    return out[0][..., : R - Ls].contiguous(), out[1][..., : R - Ls].contiguous()
 
 
 def longest(hit: Tensor, where: Tensor) -> tuple[Tensor, Tensor, Tensor]:
