@@ -460,7 +460,7 @@ CASES = [
     Case(
         "bench row option",
         "crtn-bench",
-        [*B, "+bench.rows.bad=['model=nope']"],
+        [*B, "+bench.rows.bad=['model=nope']", "bench.only=[bad]"],
         ["bench.rows.bad", "model/nope"],
     ),
     Case(

@@ -49,7 +49,7 @@ CASES = [{"model.name": "crtn", "query.strategy": q, "summary.name": s} for q, s
     *({"model.name": name} for name in ("txl", "vanilla")),
 ]
 PER_CASE = 4  # sampled configurations per case
-PER_CASE_TOKEN_MAX = 12  # token_max has five options of its own (ngram, shift, d_key, cosine, shortlist)
+PER_CASE_TOKEN_MAX = 12  # token_max has four options of its own (ngram, shift, d_key, cosine)
 
 
 def tiny(spec, seed: int) -> torch.nn.Module:
