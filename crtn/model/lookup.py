@@ -55,6 +55,13 @@ def _multipliers(n: int, device: torch.device) -> Tensor:
     return (torch.randint(0, 1 << 61, (n,), generator=gen) * 2 + 1).to(device)
 
 
+@functools.cache
+def _columns(lengths: tuple[int, ...], device: torch.device) -> Tensor:
+    """The window columns w - 1 of the lengths w, made once per lengths and device (not copied to
+    the device every step)."""
+    return torch.tensor([w - 1 for w in lengths], device=device)
+
+
 def ending_keys(tokens: Tensor, lengths: tuple[int, ...]) -> Tensor:
     """The key of the w tokens ending at every position, for each length w.
 
@@ -78,7 +85,7 @@ def ending_keys(tokens: Tensor, lengths: tuple[int, ...]) -> Tensor:
     back = F.pad(tokens, (W - 1, 0), value=-1).unfold(1, W, 1).flip(-1)  # [B, S, W]: x_{p-a} at a
     acc = (back * mult).cumsum(-1)  # [B, S, W]: the hash of length a + 1, wrapped modulo 2^64
     known = (back < 0).cumsum(-1) == 0  # no unknown token among x_{p-a..p}
-    pick = torch.tensor([w - 1 for w in lengths], device=tokens.device)
+    pick = _columns(lengths, tokens.device)
     keys = torch.where(known[..., pick], acc[..., pick] & _TOP_BIT_CLEAR, NO_ROW)
     return keys.permute(2, 0, 1).contiguous()
 
@@ -116,8 +123,10 @@ class LookupIndex:
         R = old_k.shape[-1]
         dest_new = torch.searchsorted(old_k, new_k, right=True) + torch.arange(Ls, device=keys.device)
         dest_old = torch.searchsorted(new_k, old_k) + torch.arange(R, device=keys.device)
-        self.keys = old_k.new_empty(n, B, R + Ls).scatter_(-1, dest_new, new_k).scatter_(-1, dest_old, old_k)
-        self.where = old_w.new_empty(n, B, R + Ls).scatter_(-1, dest_new, new_w).scatter_(-1, dest_old, old_w)
+        self.keys, self.where = (
+            old.new_empty(n, B, R + Ls).scatter_(-1, dest_new, new).scatter_(-1, dest_old, old)
+            for new, old in ((new_k, old_k), (new_w, old_w))
+        )
 
     @classmethod
     def of_slots(cls, row_keys: Tensor, oldest_first: Tensor) -> LookupIndex:
@@ -171,8 +180,11 @@ def _drop_slot(keys: Tensor, where: Tensor, slot: int, Ls: int) -> tuple[Tensor,
     R = keys.shape[-1]
     keep = where.div(Ls, rounding_mode="floor") != slot
     dest = torch.where(keep, keep.cumsum(-1) - 1, R - Ls)
-    out = [t.new_empty(*t.shape[:-1], R - Ls + 1).scatter_(-1, dest, t) for t in (keys, where)]
-    return out[0][..., : R - Ls].contiguous(), out[1][..., : R - Ls].contiguous()
+    kept_keys, kept_where = (
+        t.new_empty(*t.shape[:-1], R - Ls + 1).scatter_(-1, dest, t)[..., : R - Ls].contiguous()
+        for t in (keys, where)
+    )
+    return kept_keys, kept_where
 
 
 def longest(hit: Tensor, where: Tensor) -> tuple[Tensor, Tensor, Tensor]:
